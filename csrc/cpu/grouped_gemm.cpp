@@ -1,0 +1,172 @@
+// Grouped GEMM on the CPU. Rows of `a` come in consecutive ranges, one per listed slot; each
+// range is multiplied by its slot's weights read in place from the card (no weight gather, no
+// copy of transposed views: the BLAS takes the strides). With exact ranges (an unbucketed plan)
+// no padding row is multiplied at all.
+#include <torch/library.h>
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+#include <vector>
+
+#include "../common.h"
+
+namespace minagi {
+namespace {
+
+// Validates slot_ids / slot_rows against a [E, ...] and returns each range's first row.
+std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& slot_rows,
+                                  int64_t E, int64_t n_slots, const char* op, bool unique) {
+  check_dim(slot_ids, 1, op, "slot_ids");
+  check_dim(slot_rows, 1, op, "slot_rows");
+  check_index(slot_ids, op, "slot_ids");
+  check_index(slot_rows, op, "slot_rows");
+  TORCH_CHECK(slot_ids.size(0) == slot_rows.size(0), "minagi.", op, ": slot_ids (", slot_ids.size(0),
+              ") and slot_rows (", slot_rows.size(0), ") must have one length");
+  TORCH_CHECK(slot_ids.device().is_cpu() && slot_rows.device().is_cpu(), "minagi.", op,
+              ": slot_ids and slot_rows must be on the CPU with the other inputs");
+  const at::Tensor ids = slot_ids.contiguous(), rows = slot_rows.contiguous();
+  const int64_t A = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  std::vector<int64_t> start(A + 1, 0);
+  std::vector<char> seen(unique ? n_slots : 0, 0);
+  for (int64_t i = 0; i < A; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n_slots, "minagi.", op, ": slot_ids holds ", ip[i],
+                " at position ", i, ", outside [0, n_slots=", n_slots, ")");
+    TORCH_CHECK(rp[i] >= 0, "minagi.", op, ": slot_rows holds ", rp[i], " at position ", i,
+                "; row counts must be >= 0");
+    if (unique) {
+      TORCH_CHECK(!seen[ip[i]], "minagi.", op, ": slot_ids lists slot ", ip[i],
+                  " twice; each slot may own one row range");
+      seen[ip[i]] = 1;
+    }
+    start[i + 1] = start[i] + rp[i];
+  }
+  TORCH_CHECK(start[A] == E, "minagi.", op, ": slot_rows sums to ", start[A],
+              " rows but the input has ", E, " rows");
+  return start;
+}
+
+// Work split for the per-slot GEMMs. Each slot's range is one GEMM on one thread (the BLAS runs
+// single-threaded inside a parallel region); a range too large for an even share is cut into up
+// to `threads` parts (rows for grouped_mm, output columns for the weight gradient). Threads pull
+// parts largest first from a shared counter, so a sink slot cannot leave a thread idle, and the
+// many ~100-row ranges of a uniform load do not pay the BLAS's own thread start-up per GEMM.
+struct Part {
+  int64_t slot, r0, nr;  // slot id and its row range
+  int64_t part, parts;   // which of the range's equal parts
+};
+
+std::vector<Part> plan_parts(const at::Tensor& slot_ids, const std::vector<int64_t>& start,
+                             int64_t threads) {
+  const int64_t* ip = slot_ids.data_ptr<int64_t>();
+  const int64_t A = static_cast<int64_t>(start.size()) - 1;
+  const int64_t E = start[A];
+  std::vector<Part> parts;
+  for (int64_t i = 0; i < A; ++i) {
+    const int64_t nr = start[i + 1] - start[i];
+    if (nr == 0) continue;
+    const int64_t n = std::min<int64_t>(threads, std::max<int64_t>(1, (2 * nr * threads) / std::max<int64_t>(E, 1)));
+    for (int64_t p = 0; p < n; ++p) parts.push_back({ip[i], start[i], nr, p, n});
+  }
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const Part& a, const Part& b) { return a.nr / a.parts > b.nr / b.parts; });
+  return parts;
+}
+
+// [lo, hi) of `size` for part p of n, in multiples of `align` so SIMD tiles stay whole.
+inline std::pair<int64_t, int64_t> part_range(int64_t size, int64_t p, int64_t n, int64_t align) {
+  int64_t step = (size + n - 1) / n;
+  step = ((step + align - 1) / align) * align;
+  return {std::min(size, p * step), std::min(size, (p + 1) * step)};
+}
+
+template <typename F>
+void run_parts(const std::vector<Part>& parts, F&& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(parts.size()));
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (const Part& part : parts) fn(part);
+    return;
+  }
+  // Worker threads need the caller's dispatch state (autograd is excluded below this kernel).
+  const at::ThreadLocalState tls;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard guard(tls);
+    for (int64_t i = next++; i < static_cast<int64_t>(parts.size()); i = next++) fn(parts[i]);
+  });
+}
+
+void check_operands(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name_b) {
+  check_floating(a, op, "a");
+  check_same_dtype(a, b, op, "a", name_b);
+  check_same_device(a, b, op, "a", name_b);
+}
+
+at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
+                          const at::Tensor& slot_rows) {
+  const char* op = "grouped_mm";
+  check_dim(a_in, 2, op, "a");
+  check_dim(b, 3, op, "b");
+  check_operands(a_in, b, op, "b");
+  check_size(b, 1, a_in.size(1), op, "b", "a.shape[1]");
+  const at::Tensor a = a_in.contiguous();
+  const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), op, false);
+  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
+  const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
+  run_parts(parts, [&](const Part& p) {
+    const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
+    if (hi <= lo) return;
+    at::Tensor o = out.narrow(0, p.r0 + lo, hi - lo);
+    at::cpu::mm_out(o, a.narrow(0, p.r0 + lo, hi - lo), b.select(0, p.slot));
+  });
+  return out;
+}
+
+at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_in,
+                                const at::Tensor& slot_ids, const at::Tensor& slot_rows,
+                                int64_t n_slots) {
+  const char* op = "grouped_mm_wgrad";
+  check_dim(a_in, 2, op, "a");
+  check_dim(grad_in, 2, op, "grad");
+  check_operands(a_in, grad_in, op, "grad");
+  check_size(grad_in, 0, a_in.size(0), op, "grad", "a.shape[0]");
+  TORCH_CHECK(n_slots >= 1, "minagi.grouped_mm_wgrad: n_slots must be >= 1, got ", n_slots);
+  const at::Tensor a = a_in.contiguous(), grad = grad_in.contiguous();
+  const auto start = range_starts(slot_ids, slot_rows, a.size(0), n_slots, op, true);
+  const int64_t K = a.size(1), M = grad.size(1);
+  // Only the slots that own no rows need zeros; the others are overwritten whole.
+  at::Tensor out = at::empty({n_slots, K, M}, a.options());
+  const at::Tensor ids = slot_ids.contiguous();
+  auto parts = plan_parts(ids, start, at::get_num_threads());
+  // Slots with no rows get zeros, as parts of their own so the zeroing is shared out too.
+  std::vector<char> owned(n_slots, 0);
+  for (const Part& p : parts) owned[p.slot] = 1;
+  for (int64_t s = 0; s < n_slots; ++s) {
+    if (!owned[s]) parts.push_back({s, 0, 0, 0, 1});
+  }
+  run_parts(parts, [&](const Part& p) {
+    const auto [lo, hi] = part_range(M, p.part, p.parts, 16);
+    if (hi <= lo) return;
+    at::Tensor o = out.select(0, p.slot).narrow(1, lo, hi - lo);
+    if (p.nr == 0) {
+      o.zero_();
+      return;
+    }
+    at::cpu::mm_out(o, a.narrow(0, p.r0, p.nr).t(), grad.narrow(0, p.r0, p.nr).narrow(1, lo, hi - lo));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(minagi, CPU, m) {
+  m.impl("grouped_mm", &grouped_mm_cpu);
+  m.impl("grouped_mm_wgrad", &grouped_mm_wgrad_cpu);
+}
+
+}  // namespace minagi

@@ -1,0 +1,76 @@
+// The one op library of minagi: every schema lives here. Kernels register per device in
+// csrc/cpu/*.cpp (CPU) and csrc/cuda/*.cu (CUDA; torch hipifies them for ROCm, key still CUDA).
+// Python adds register_fake and register_autograd (minagi/ops.py); the pure-torch twin of every
+// op, with the same signature, is minagi/reference.py.
+#include <Python.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// Importing minagi._C only has to run the static registrations below: no pybind11 module.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace {
+// How this extension was built, for `python -m minagi doctor`: a build without OpenMP would run
+// every at::parallel_for on one thread without saying so.
+std::string build_info() {
+  std::string info;
+#ifdef _OPENMP
+  info += "openmp=" + std::to_string(_OPENMP) + " omp_max_threads=" + std::to_string(omp_get_max_threads());
+#else
+  info += "openmp=no";
+#endif
+  info += " aten_threads=" + std::to_string(at::get_num_threads());
+#ifdef MINAGI_WITH_GPU
+#ifdef USE_ROCM
+  info += " gpu=rocm";
+#else
+  info += " gpu=cuda";
+#endif
+#else
+  info += " gpu=none";
+#endif
+  return info;
+}
+}  // namespace
+
+TORCH_LIBRARY(minagi, m) {
+  m.def("build_info() -> str", &build_info);
+  // logits [N, S] -> slot_idx [N, k] int64 (best first, ties to the lower slot, NaN ranks as
+  // -inf), gates [N, k] = softmax over the k chosen logits, load [S] int64 (pairs per slot).
+  m.def("routing(Tensor logits, int top_k) -> (Tensor slot_idx, Tensor gates, Tensor load)");
+  // The gradient of routing's gates with respect to its logits: [N, S], zero off the chosen slots.
+  m.def("routing_backward(Tensor grad_gates, Tensor gates, Tensor slot_idx, int n_slots) -> Tensor");
+  // The dispatch plan of slot_idx [N, k] over n_slots, each slot capped at `capacity` pairs
+  // (0 = uncapped; kept pairs are the first in character order, then k order):
+  //   load [S]: kept pairs per slot; slot_order [A]: slots with load > 0 sorted by load, then slot;
+  //   slot_rows [A]: buffer rows of each (bucket(load) when bucketed, else load; runs of equal
+  //   values are the groups); row_pair [E]: flat pair n * k + j of every buffer row (-1 =
+  //   padding); dest [N, k]: buffer row of every pair (-1 = dropped).
+  m.def(
+      "group_plan(Tensor slot_idx, int n_slots, int capacity, bool bucketed) -> "
+      "(Tensor load, Tensor slot_order, Tensor slot_rows, Tensor row_pair, Tensor dest)");
+  // out[e] = gates[p] * x[p // k] for p = row_pair[e] (gates optional), zero rows for padding.
+  m.def("bucketed_gather(Tensor x, Tensor row_pair, Tensor dest, Tensor? gates) -> Tensor");
+  // out[n] = sum_j gates[n, j] * rows[dest[n, j]] (gates optional), dropped pairs skipped.
+  m.def("weighted_scatter(Tensor rows, Tensor dest, Tensor row_pair, Tensor? gates) -> Tensor");
+  // out[n, j] = <a[n], rows[dest[n, j]]>, 0 for dropped pairs: the gates' gradient of both above.
+  m.def("gate_grad(Tensor a, Tensor rows, Tensor dest, Tensor row_pair) -> Tensor");
+  // a [E, K] in consecutive row ranges of slot_rows [A]; range i times b[slot_ids[i]] ([S, K, M]).
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor slot_ids, Tensor slot_rows) -> Tensor");
+  // The weight gradient of grouped_mm: out[slot_ids[i]] = a_i^T @ grad_i, [n_slots, K, M], zero
+  // for slots not in slot_ids.
+  m.def(
+      "grouped_mm_wgrad(Tensor a, Tensor grad, Tensor slot_ids, Tensor slot_rows, int n_slots) "
+      "-> Tensor");
+}

@@ -1,0 +1,90 @@
+"""Loads the compiled extension minagi._C once and remembers why it did not load.
+
+MINAGI_DISABLE_EXT=1 forces the pure-torch ops; MINAGI_REQUIRE_EXT=1 makes a missing or broken
+extension an error. Loading registers the ops (torch.ops.minagi.*); it touches no device.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+
+OP_NAMES = (
+    "routing",
+    "routing_backward",
+    "group_plan",
+    "bucketed_gather",
+    "weighted_scatter",
+    "gate_grad",
+    "grouped_mm",
+    "grouped_mm_wgrad",
+)
+
+
+class ExtensionFallbackWarning(UserWarning):
+    """minagi._C could not be loaded; minagi runs on its pure-torch ops."""
+
+
+@dataclass(frozen=True)
+class BackendState:
+    loaded: bool
+    reason: str  # why it is not loaded ("" when loaded)
+
+
+_STATE: BackendState | None = None
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={os.environ[name]!r}: use 1 or 0")
+
+
+def _try_load() -> BackendState:
+    if _flag("MINAGI_DISABLE_EXT"):
+        if _flag("MINAGI_REQUIRE_EXT"):
+            raise RuntimeError("MINAGI_DISABLE_EXT=1 and MINAGI_REQUIRE_EXT=1 contradict each other; unset one")
+        return BackendState(False, "disabled by MINAGI_DISABLE_EXT=1")
+    try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
+
+        importlib.import_module("minagi._C")
+    except ImportError as exc:
+        return BackendState(False, f"minagi._C did not load ({exc}); rebuild with "
+                                   "`pip install --no-build-isolation -e .`")
+    except OSError as exc:  # a stale build against another torch: undefined symbols
+        return BackendState(False, f"minagi._C is broken ({exc}); rebuild it against this torch "
+                                   "with `pip install --no-build-isolation -e .`")
+    return BackendState(True, "")
+
+
+def state() -> BackendState:
+    """The extension's state, loading it on the first call."""
+    global _STATE
+    if _STATE is None:
+        _STATE = _try_load()
+        if not _STATE.loaded:
+            if _flag("MINAGI_REQUIRE_EXT"):
+                raise RuntimeError(f"MINAGI_REQUIRE_EXT=1 but {_STATE.reason}")
+            if not _flag("MINAGI_DISABLE_EXT"):
+                warnings.warn(f"minagi: {_STATE.reason}; running on the pure-torch ops",
+                              ExtensionFallbackWarning, stacklevel=3)
+    return _STATE
+
+
+def loaded() -> bool:
+    return state().loaded
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether minagi::op has a compiled kernel for this device type ('cpu' or 'cuda')."""
+    if not loaded():
+        return False
+    import torch
+
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"minagi::{op}", key)

@@ -1,0 +1,22 @@
+"""python -m minagi.bench <benchmark> [options]; `python -m minagi.bench dispatch --help`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import dispatch
+
+BENCHES = {"dispatch": dispatch}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        parser = argparse.ArgumentParser(prog="python -m minagi.bench")
+        parser.add_argument("benchmark", choices=sorted(BENCHES))
+        parser.parse_args(argv[:1])
+    return BENCHES[argv[0]].main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""expert_mlp: the one expert computation every caller uses, and its dispatch paths.
+
+    y[n] = sum_j gates[n, j] * gelu(x[n] @ w_in[s]) @ w_out[s],   s = slot_idx[n, j]
+
+Paths:
+  rectangle  every slot padded to the busiest slot's load, one bmm: the seed's old dispatch,
+             kept as the reference (S x max_load rows for N x K routed pairs).
+  grouped    the seed's grouped dispatch in pure torch: slots grouped by _bucket(load), one pair
+             of bmms per group at the group's capacity, weights gathered once per call.
+  compiled   the same plan and ops from the extension (minagi._C). On the CPU each slot's exact
+             row range is multiplied (no padding); on a GPU the bucketed plan is used.
+  auto       compiled when the extension has kernels for the input's device, else grouped.
+
+Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import ops as _ops
+from . import reference
+from .reference import bucket as _bucket  # noqa: F401  (the seed's name for it)
+
+PATHS = ("auto", "rectangle", "grouped", "compiled")
+
+
+@dataclass
+class DispatchStats:
+    routed_pairs: int  # N * K
+    dropped_pairs: int  # pairs past a slot's capacity
+    executed_rows: int  # rows multiplied, padding included
+    groups: int  # batched-matmul groups (1 for the rectangle)
+    max_load_ratio: float  # busiest slot's routed load / fair share N * K / S
+
+    @property
+    def executed_ratio(self) -> float:
+        """executed rows / routed pairs: 1.0 is no padding, ~15 is the seed's sink rectangle."""
+        return self.executed_rows / self.routed_pairs if self.routed_pairs else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "executed_ratio": self.executed_ratio}
+
+
+def capacity(capacity_factor: float, n_chars: int, top_k: int, n_slots: int) -> int:
+    """Pairs a slot may keep: ceil(c * N * K / S); 0 means uncapped."""
+    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
+            and capacity_factor >= 0):
+        raise ValueError(f"capacity_factor must be a finite number >= 0 (0 = uncapped), got {capacity_factor!r}")
+    if capacity_factor == 0 or n_chars == 0:
+        return 0
+    return max(1, math.ceil(capacity_factor * n_chars * top_k / n_slots))
+
+
+def _check_inputs(x, slot_idx, gates, w_in, w_out) -> None:
+    def fail(msg):
+        raise ValueError(f"expert_mlp: {msg}")
+
+    for name, t in (("x", x), ("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expert_mlp: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        fail(f"x must be [N, d], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        fail(f"x must be a floating-point tensor, got {x.dtype}")
+    if w_in.dim() != 3 or w_out.dim() != 3:
+        fail(f"w_in must be [S, d, h] and w_out [S, h, d], got {tuple(w_in.shape)} and {tuple(w_out.shape)}")
+    S, D, H = w_in.shape
+    if w_in.shape[1] != x.shape[1]:
+        fail(f"w_in.shape[1] ({w_in.shape[1]}) must equal x.shape[1] ({x.shape[1]})")
+    if tuple(w_out.shape) != (S, H, D):
+        fail(f"w_out must be [S, h, d] = {(S, H, D)} to match w_in {tuple(w_in.shape)}, got {tuple(w_out.shape)}")
+    if slot_idx.dtype != torch.long:
+        fail(f"slot_idx must be int64 (torch.long), got {slot_idx.dtype}")
+    if slot_idx.dim() != 2 or slot_idx.shape[0] != x.shape[0]:
+        fail(f"slot_idx must be [N, k] with N = x.shape[0] = {x.shape[0]}, got {tuple(slot_idx.shape)}")
+    if tuple(gates.shape) != tuple(slot_idx.shape):
+        fail(f"gates must have slot_idx's shape {tuple(slot_idx.shape)}, got {tuple(gates.shape)}")
+    K = slot_idx.shape[1]
+    if not 1 <= K <= S:
+        fail(f"top_k (slot_idx.shape[1] = {K}) must be in [1, S = {S}]")
+    for name, t in (("gates", gates), ("w_in", w_in), ("w_out", w_out)):
+        if t.dtype != x.dtype:
+            fail(f"{name} is {t.dtype} but x is {x.dtype}; use one floating dtype")
+    for name, t in (("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
+        if t.device != x.device:
+            fail(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
+    if slot_idx.numel():
+        lo, hi = int(slot_idx.min()), int(slot_idx.max())
+        if lo < 0 or hi >= S:
+            fail(f"slot_idx holds {lo if lo < 0 else hi}, outside [0, S = {S})")
+
+
+def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap):
+    """Every slot padded to the busiest slot's (kept) load: one [S, L, D] buffer, one bmm each."""
+    N, K = slot_idx_NK.shape
+    S, D = w_in_SDH.shape[0], x_ND.shape[1]
+    flat_R = slot_idx_NK.reshape(-1)
+    rank_R, count_S = reference.slot_ranks(flat_R, S)
+    load_S = count_S.clamp(max=cap) if cap > 0 else count_S
+    kept_R = rank_R < load_S[flat_R]
+    L = int(load_S.max()) if N else 0
+    char_R = torch.arange(N, device=x_ND.device).repeat_interleave(K)
+    slot_k, rank_k, char_k = flat_R[kept_R], rank_R[kept_R], char_R[kept_R]
+    buf_SLD = x_ND.new_zeros(S, L, D).index_put((slot_k, rank_k), x_ND[char_k])
+    out_SLD = torch.bmm(F.gelu(torch.bmm(buf_SLD, w_in_SDH)), w_out_SHD)
+    picked_RD = out_SLD[slot_k, rank_k] * gates_NK.reshape(-1)[kept_R].unsqueeze(1)
+    y_ND = x_ND.new_zeros(N, D).index_add(0, char_k, picked_RD)
+    return y_ND, load_S, S * L, 1
+
+
+def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed):
+    """The plan's groups, one pair of grouped matmuls, exact GELU between, gated combine."""
+    S = w_in_SDH.shape[0]
+    load_S, order_A, rows_A, row_pair_E, dest_NK = ops.group_plan(slot_idx_NK, S, cap, bucketed)
+    buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
+    h_EH = F.gelu(ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A))
+    out_ED = ops.grouped_mm(h_EH, w_out_SHD, order_A, rows_A)
+    y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
+    return y_ND, load_S, row_pair_E.shape[0], rows_A
+
+
+def resolve_path(path: str, device: torch.device) -> str:
+    if path not in PATHS:
+        raise ValueError(f"expert_mlp: path must be one of {PATHS}, got {path!r}")
+    if path == "auto":
+        return "compiled" if _ops.supports(device) else "grouped"
+    if path == "compiled" and not _ops.supports(device):
+        from . import _backend
+
+        st = _backend.state()
+        why = st.reason if not st.loaded else f"the extension has no {device.type} kernels (built without them)"
+        raise RuntimeError(f"expert_mlp: path='compiled' is not available: {why}; use path='grouped'")
+    return path
+
+
+def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_factor: float = 0.0,
+               return_stats: bool = False, bucketed: bool | None = None):
+    """Apply the routed experts: y[n] = sum_j gates[n, j] * gelu(x[n] @ w_in[s]) @ w_out[s].
+
+    x [N, d]; slot_idx [N, k] int64 in [0, S); gates [N, k]; w_in [S, d, h]; w_out [S, h, d], all
+    one dtype and device (inputs need not be contiguous). capacity_factor c > 0 caps each slot at
+    ceil(c * N * k / S) pairs, keeping the first in character order, then k order; dropped pairs
+    contribute nothing, identically on every path. bucketed (grouped and compiled paths) pads
+    each slot's rows to _bucket(load); None takes the path's default (grouped: True; compiled:
+    False on the CPU, True on GPUs). Returns y [N, d], or (y, DispatchStats) with return_stats.
+    """
+    _check_inputs(x, slot_idx, gates, w_in, w_out)
+    N, K = slot_idx.shape
+    S = w_in.shape[0]
+    cap = capacity(capacity_factor, N, K, S)
+    path = resolve_path(path, x.device)
+    if path == "rectangle":
+        y, load_S, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap)
+    else:
+        ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
+        if bucketed is None:
+            bucketed = path == "grouped" or x.device.type != "cpu"
+        y, load_S, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed)
+        groups = len(reference.groups(rows_A)) if return_stats else 0
+    if not return_stats:
+        return y
+    routed = N * K
+    max_load = int(torch.bincount(slot_idx.reshape(-1), minlength=S).max()) if N else 0
+    stats = DispatchStats(
+        routed_pairs=routed,
+        dropped_pairs=routed - int(load_S.sum()),
+        executed_rows=int(executed),
+        groups=groups,
+        max_load_ratio=max_load / (routed / S) if routed else 0.0,
+    )
+    return y, stats

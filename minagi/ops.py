@@ -1,0 +1,160 @@
+"""The compiled ops (torch.ops.minagi.*) with their fake kernels and autograd, and one table per
+implementation so callers can pick compiled or reference with the same call signatures.
+
+Backward formulas use the ops themselves: gather and scatter are each the other's backward,
+gate_grad gives both their gate gradients, and grouped_mm's input gradient is grouped_mm with the
+transposed weights. So double backward works wherever the forward does.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import _backend, reference
+
+_REGISTERED = False
+
+
+def _fake_registrations(lib: str = "minagi") -> None:
+    @torch.library.register_fake(f"{lib}::routing")
+    def _(logits, top_k):
+        N, S = logits.shape
+        return (logits.new_empty(N, top_k, dtype=torch.long), logits.new_empty(N, top_k),
+                logits.new_empty(S, dtype=torch.long))
+
+    @torch.library.register_fake(f"{lib}::routing_backward")
+    def _(grad_gates, gates, slot_idx, n_slots):
+        return gates.new_empty(gates.shape[0], n_slots)
+
+    @torch.library.register_fake(f"{lib}::group_plan")
+    def _(slot_idx, n_slots, capacity, bucketed):
+        ctx = torch.library.get_ctx()
+        A, E = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        new = slot_idx.new_empty
+        return new(n_slots), new(A), new(A), new(E), new(slot_idx.shape)
+
+    @torch.library.register_fake(f"{lib}::bucketed_gather")
+    def _(x, row_pair, dest, gates):
+        return x.new_empty(row_pair.shape[0], x.shape[1])
+
+    @torch.library.register_fake(f"{lib}::weighted_scatter")
+    def _(rows, dest, row_pair, gates):
+        return rows.new_empty(dest.shape[0], rows.shape[1])
+
+    @torch.library.register_fake(f"{lib}::gate_grad")
+    def _(a, rows, dest, row_pair):
+        return a.new_empty(dest.shape)
+
+    @torch.library.register_fake(f"{lib}::grouped_mm")
+    def _(a, b, slot_ids, slot_rows):
+        return a.new_empty(a.shape[0], b.shape[2])
+
+    @torch.library.register_fake(f"{lib}::grouped_mm_wgrad")
+    def _(a, grad, slot_ids, slot_rows, n_slots):
+        return a.new_empty(n_slots, a.shape[1], grad.shape[1])
+
+
+def _autograd_registrations(lib: str = "minagi") -> None:
+    ops = getattr(torch.ops, lib)
+
+    def routing_setup(ctx, inputs, output):
+        logits, _ = inputs
+        slot_idx, gates, _ = output
+        ctx.n_slots = logits.shape[1]
+        ctx.save_for_backward(slot_idx, gates)
+
+    def routing_bwd(ctx, grad_idx, grad_gates, grad_load):
+        slot_idx, gates = ctx.saved_tensors
+        if grad_gates is None:
+            return None, None
+        return ops.routing_backward(grad_gates, gates, slot_idx, ctx.n_slots), None
+
+    torch.library.register_autograd(f"{lib}::routing", routing_bwd, setup_context=routing_setup)
+
+    def maps_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # gather/scatter's optional gates may be None
+        ctx.has_gates = inputs[3] is not None
+
+    def gather_bwd(ctx, grad):
+        x, row_pair, dest, gates = ctx.saved_tensors
+        grad_x = ops.weighted_scatter(grad, dest, row_pair, gates) if ctx.needs_input_grad[0] else None
+        grad_g = (ops.gate_grad(x, grad, dest, row_pair)
+                  if ctx.has_gates and ctx.needs_input_grad[3] else None)
+        return grad_x, None, None, grad_g
+
+    torch.library.register_autograd(f"{lib}::bucketed_gather", gather_bwd, setup_context=maps_setup)
+
+    def scatter_bwd(ctx, grad):
+        rows, dest, row_pair, gates = ctx.saved_tensors
+        grad_rows = ops.bucketed_gather(grad, row_pair, dest, gates) if ctx.needs_input_grad[0] else None
+        grad_g = (ops.gate_grad(grad, rows, dest, row_pair)
+                  if ctx.has_gates and ctx.needs_input_grad[3] else None)
+        return grad_rows, None, None, grad_g
+
+    torch.library.register_autograd(f"{lib}::weighted_scatter", scatter_bwd, setup_context=maps_setup)
+
+    def gate_grad_bwd(ctx, grad):
+        a, rows, dest, row_pair = ctx.saved_tensors
+        grad_a = ops.weighted_scatter(rows, dest, row_pair, grad) if ctx.needs_input_grad[0] else None
+        grad_rows = ops.bucketed_gather(a, row_pair, dest, grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_rows, None, None
+
+    torch.library.register_autograd(f"{lib}::gate_grad", gate_grad_bwd, setup_context=maps_setup)
+
+    def mm_setup(ctx, inputs, output):
+        a, b, slot_ids, slot_rows = inputs
+        ctx.n_slots = b.shape[0]
+        ctx.save_for_backward(a, b, slot_ids, slot_rows)
+
+    def mm_bwd(ctx, grad):
+        a, b, slot_ids, slot_rows = ctx.saved_tensors
+        grad_a = ops.grouped_mm(grad, b.transpose(1, 2), slot_ids, slot_rows) if ctx.needs_input_grad[0] else None
+        grad_b = (ops.grouped_mm_wgrad(a, grad, slot_ids, slot_rows, ctx.n_slots)
+                  if ctx.needs_input_grad[1] else None)
+        return grad_a, grad_b, None, None
+
+    torch.library.register_autograd(f"{lib}::grouped_mm", mm_bwd, setup_context=mm_setup)
+
+    def wgrad_setup(ctx, inputs, output):
+        a, grad, slot_ids, slot_rows, _ = inputs
+        ctx.save_for_backward(a, grad, slot_ids, slot_rows)
+
+    def wgrad_bwd(ctx, gout):
+        a, grad, slot_ids, slot_rows = ctx.saved_tensors
+        grad_a = (ops.grouped_mm(grad, gout.transpose(1, 2), slot_ids, slot_rows)
+                  if ctx.needs_input_grad[0] else None)
+        grad_g = ops.grouped_mm(a, gout, slot_ids, slot_rows) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_g, None, None, None
+
+    torch.library.register_autograd(f"{lib}::grouped_mm_wgrad", wgrad_bwd, setup_context=wgrad_setup)
+
+
+def _register() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        _fake_registrations()
+        _autograd_registrations()
+        _REGISTERED = True
+
+
+def compiled() -> types.SimpleNamespace:
+    """The compiled ops, registered with fake kernels and autograd. Raises if not loaded."""
+    st = _backend.state()
+    if not st.loaded:
+        raise RuntimeError(f"minagi's compiled ops are not available: {st.reason}")
+    _register()
+    return types.SimpleNamespace(**{name: getattr(torch.ops.minagi, name) for name in _backend.OP_NAMES})
+
+
+REFERENCE = types.SimpleNamespace(**{name: getattr(reference, name) for name in _backend.OP_NAMES})
+
+
+def supports(device: torch.device) -> bool:
+    """Whether every compiled op has a kernel for this device."""
+    return all(_backend.has_kernel(name, device.type) for name in _backend.OP_NAMES)
+
+
+def best(device: torch.device) -> types.SimpleNamespace:
+    """Compiled ops where they run on this device, else the pure-torch twins."""
+    return compiled() if supports(device) else REFERENCE

@@ -1,0 +1,71 @@
+"""PooledMLP: the card's experts as one module. Routes with the routing op, dispatches with
+expert_mlp. The pool and admission (which pool experts sit on the card) live around it in the
+model; a card can be fed from outside through forward(card=...).
+
+Legend: N characters, K top_k, S card slots, D model width, H expert width.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from . import ops as _ops
+from .dispatch import expert_mlp
+
+
+class Card(NamedTuple):
+    """The experts on the compute device for one step, one tensor per weight."""
+    router_SD: torch.Tensor
+    w_in_SDH: torch.Tensor
+    w_out_SHD: torch.Tensor
+
+
+class PooledMLP(nn.Module):
+    # The seed's switch: False sends every instance through the rectangle dispatch.
+    grouped_dispatch: bool = True
+
+    def __init__(self, d_model: int, d_hidden: int, n_slots: int, top_k: int, *,
+                 capacity_factor: float = 0.0, path: str = "auto", device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= n_slots:
+            raise ValueError(f"PooledMLP: top_k must be in [1, n_slots = {n_slots}], got {top_k}")
+        kw = {"device": device, "dtype": dtype}
+        self.top_k, self.capacity_factor, self.path = top_k, capacity_factor, path
+        self.router = nn.Parameter(torch.empty(n_slots, d_model, **kw))
+        self.w_in = nn.Parameter(torch.empty(n_slots, d_model, d_hidden, **kw))
+        self.w_out = nn.Parameter(torch.empty(n_slots, d_hidden, d_model, **kw))
+        self.reset_parameters()
+        self.last_stats = None
+
+    def reset_parameters(self) -> None:
+        d, h = self.w_in.shape[1:]
+        nn.init.normal_(self.router, std=1.0 / math.sqrt(d))
+        nn.init.normal_(self.w_in, std=1.0 / math.sqrt(d))
+        nn.init.normal_(self.w_out, std=1.0 / math.sqrt(h))
+
+    def card(self) -> Card:
+        return Card(self.router, self.w_in, self.w_out)
+
+    def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor):
+        logits_NS = x_ND @ router_SD.t()
+        return _ops.best(x_ND.device).routing(logits_NS, self.top_k)
+
+    def forward(self, x: torch.Tensor, card: Card | None = None, return_stats: bool = False):
+        """x [..., D] -> [..., D]. card: the slots' weights to use instead of this module's own."""
+        router_SD, w_in_SDH, w_out_SHD = card if card is not None else self.card()
+        x_ND = x.reshape(-1, x.shape[-1])
+        slot_idx_NK, gates_NK, _ = self.route(x_ND, router_SD)
+        path = self.path if type(self).grouped_dispatch else "rectangle"
+        y_ND, stats = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
+                                 capacity_factor=self.capacity_factor, return_stats=True)
+        self.last_stats = stats
+        y = y_ND.view(x.shape)
+        return (y, stats) if return_stats else y
+
+    def extra_repr(self) -> str:
+        S, D, H = self.w_in.shape
+        return (f"n_slots={S}, d_model={D}, d_hidden={H}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, path={self.path!r}")

@@ -1,0 +1,161 @@
+"""The pure-torch twin of every compiled op, with the same signature and the same results.
+
+These are the oracle the compiled kernels are tested against and the fallback wherever the
+extension is not built. Autograd runs through them natively. The grouped GEMM here is the seed's
+grouped dispatch: weights gathered from the card once per call, split into each group's view,
+one batched matmul per group.
+
+Legend: N characters, K top_k, S card slots, A active slots (load > 0), E buffer rows (padding
+included), D/I/O feature widths.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_NEG_INF = float("-inf")
+
+
+def bucket(n: int) -> int:
+    """_bucket(n): powers of two up to 128, then multiples of 128 (0 for 0)."""
+    if n <= 0:
+        return 0
+    if n <= 128:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 128) * 128
+
+
+def bucket_tensor(n: torch.Tensor) -> torch.Tensor:
+    """_bucket elementwise on an int64 tensor of positive counts."""
+    pow2 = torch.pow(2, torch.ceil(torch.log2(n.clamp(min=1).double()))).long()
+    return torch.where(n <= 128, pow2, (n + 127) // 128 * 128)
+
+
+def _graph_zero(*tensors):
+    """An exact 0 that carries the inputs' autograd graph, for results built from nothing."""
+    return sum(t.reshape(-1)[:0].sum() for t in tensors)
+
+
+def routing(logits_NS: torch.Tensor, top_k: int):
+    """Top-k slots per character (ties to the lower slot, NaN ranked as -inf), the softmax over
+    the k chosen logits, and the load per slot."""
+    S = logits_NS.shape[1]
+    key_NS = torch.where(torch.isnan(logits_NS), _NEG_INF, logits_NS)
+    # A stable descending sort keeps equal logits in slot order: ties go to the lower slot.
+    slot_idx_NK = torch.sort(key_NS, dim=1, descending=True, stable=True).indices[:, :top_k].contiguous()
+    gates_NK = torch.softmax(logits_NS.gather(1, slot_idx_NK), dim=1)
+    load_S = torch.bincount(slot_idx_NK.reshape(-1), minlength=S)
+    return slot_idx_NK, gates_NK, load_S
+
+
+def routing_backward(grad_gates_NK, gates_NK, slot_idx_NK, n_slots: int):
+    dot_N1 = (grad_gates_NK * gates_NK).sum(1, keepdim=True)
+    grad_NK = gates_NK * (grad_gates_NK - dot_N1)
+    out_NS = grad_NK.new_zeros(gates_NK.shape[0], n_slots)
+    return out_NS.scatter_add_(1, slot_idx_NK, grad_NK)
+
+
+def slot_ranks(flat_R: torch.Tensor, n_slots: int):
+    """Each pair's position among its slot's pairs (character order, then k order), and the
+    pairs per slot. Capacity keeps the pairs of rank < cap."""
+    count_S = torch.bincount(flat_R, minlength=n_slots)
+    by_slot_R = torch.sort(flat_R, stable=True).indices
+    first_S = torch.cumsum(count_S, 0) - count_S
+    rank_R = torch.empty_like(flat_R)
+    rank_R[by_slot_R] = torch.arange(flat_R.numel(), device=flat_R.device) - first_S[flat_R[by_slot_R]]
+    return rank_R, count_S
+
+
+def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed: bool):
+    """The dispatch plan; see the schema in csrc/ops.cpp."""
+    N, K = slot_idx_NK.shape
+    dev = slot_idx_NK.device
+    flat_R = slot_idx_NK.reshape(-1)
+    rank_R, count_S = slot_ranks(flat_R, n_slots)
+    load_S = count_S.clamp(max=capacity) if capacity > 0 else count_S
+    kept_R = rank_R < load_S[flat_R]
+
+    active_A = torch.nonzero(load_S > 0).reshape(-1)
+    slot_order_A = active_A[torch.sort(load_S[active_A], stable=True).indices]
+    slot_rows_A = bucket_tensor(load_S[slot_order_A]) if bucketed else load_S[slot_order_A]
+    start_A = torch.cumsum(slot_rows_A, 0) - slot_rows_A
+    start_S = torch.full((n_slots,), -1, dtype=torch.long, device=dev)
+    start_S[slot_order_A] = start_A
+
+    dest_R = torch.where(kept_R, start_S[flat_R] + rank_R, -1)
+    E = int(slot_rows_A.sum())
+    row_pair_E = torch.full((E,), -1, dtype=torch.long, device=dev)
+    row_pair_E[dest_R[kept_R]] = torch.nonzero(kept_R).reshape(-1)
+    return load_S, slot_order_A, slot_rows_A, row_pair_E, dest_R.view(N, K)
+
+
+def bucketed_gather(x_ND, row_pair_E, dest_NK, gates_NK=None):
+    K = dest_NK.shape[1]
+    valid_E1 = (row_pair_E >= 0).unsqueeze(1)
+    pair_E = row_pair_E.clamp(min=0)
+    out_ED = x_ND.index_select(0, pair_E // K)
+    if gates_NK is not None:
+        out_ED = out_ED * gates_NK.reshape(-1).index_select(0, pair_E).unsqueeze(1)
+    return torch.where(valid_E1, out_ED, 0.0)
+
+
+def weighted_scatter(rows_ED, dest_NK, row_pair_E, gates_NK=None):
+    N, K = dest_NK.shape
+    D = rows_ED.shape[1]
+    if rows_ED.shape[0] == 0:  # every pair dropped: nothing to index
+        return rows_ED.new_zeros(N, D) + _graph_zero(rows_ED)
+    valid_NK1 = (dest_NK >= 0).unsqueeze(-1)
+    picked_NKD = rows_ED.index_select(0, dest_NK.clamp(min=0).reshape(-1)).view(N, K, D)
+    if gates_NK is not None:
+        picked_NKD = picked_NKD * gates_NK.unsqueeze(-1)
+    return torch.where(valid_NK1, picked_NKD, 0.0).sum(1)
+
+
+def gate_grad(a_ND, rows_ED, dest_NK, row_pair_E):
+    N, K = dest_NK.shape
+    D = a_ND.shape[1]
+    if rows_ED.shape[0] == 0:
+        return a_ND.new_zeros(N, K) + _graph_zero(a_ND, rows_ED)
+    picked_NKD = rows_ED.index_select(0, dest_NK.clamp(min=0).reshape(-1)).view(N, K, D)
+    dot_NK = (picked_NKD * a_ND.unsqueeze(1)).sum(-1)
+    return torch.where(dest_NK >= 0, dot_NK, 0.0)
+
+
+def groups(slot_rows_A: torch.Tensor) -> list[tuple[int, int]]:
+    """The groups of a plan as (slots, rows per slot): runs of equal slot_rows. One host copy."""
+    runs: list[tuple[int, int]] = []
+    for rows in slot_rows_A.tolist():
+        if runs and runs[-1][1] == rows:
+            runs[-1] = (runs[-1][0] + 1, rows)
+        else:
+            runs.append((1, rows))
+    return runs
+
+
+def grouped_mm(a_EI, b_SIO, slot_ids_A, slot_rows_A):
+    """Per group, one bmm of the group's [slots, rows, I] buffer with its view of the weights."""
+    w_AIO = b_SIO.index_select(0, slot_ids_A)  # one gather per call, split into views below
+    outs, row, slot = [], 0, 0
+    for n_slots, rows in groups(slot_rows_A):
+        a_GCI = a_EI[row:row + n_slots * rows].view(n_slots, rows, -1)
+        outs.append(torch.bmm(a_GCI, w_AIO[slot:slot + n_slots]).reshape(n_slots * rows, -1))
+        row += n_slots * rows
+        slot += n_slots
+    if row != a_EI.shape[0]:
+        raise ValueError(f"minagi.grouped_mm: slot_rows sums to {row} rows but a has {a_EI.shape[0]}")
+    if not outs:
+        return a_EI.new_zeros(0, b_SIO.shape[2]) + _graph_zero(a_EI, b_SIO)
+    return torch.cat(outs)
+
+
+def grouped_mm_wgrad(a_EI, grad_EO, slot_ids_A, slot_rows_A, n_slots: int):
+    outs, row = [], 0
+    for n_group, rows in groups(slot_rows_A):
+        a_GCI = a_EI[row:row + n_group * rows].view(n_group, rows, -1)
+        g_GCO = grad_EO[row:row + n_group * rows].view(n_group, rows, -1)
+        outs.append(torch.bmm(a_GCI.transpose(1, 2), g_GCO))
+        row += n_group * rows
+    out_SIO = a_EI.new_zeros(n_slots, a_EI.shape[1], grad_EO.shape[1]) + _graph_zero(a_EI, grad_EO)
+    if outs:
+        out_SIO = out_SIO.index_add(0, slot_ids_A, torch.cat(outs))
+    return out_SIO

@@ -1,0 +1,91 @@
+"""Loading the extension: forced fallback, required extension, the one-line notice, doctor, bench."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXT, requires_ext
+
+# Importing minagi with minagi._C hidden, as if the build had failed.
+HIDE_EXT = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "minagi._C":
+            raise ImportError("simulated: no minagi._C")
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def _py(code, **env):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MINAGI_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def test_disable_forces_the_fallback_quietly():
+    r = _py("import minagi; print(minagi.extension_loaded())", MINAGI_DISABLE_EXT="1")
+    assert r.returncode == 0 and r.stdout.strip() == "False"
+    assert "Warning" not in r.stderr
+
+
+def test_missing_extension_warns_once_and_falls_back():
+    r = _py(HIDE_EXT + "import minagi, torch\nprint(minagi.extension_loaded())\n"
+            "print(minagi.expert_mlp(torch.randn(3, 2), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1),"
+            " torch.randn(1, 2, 4), torch.randn(1, 4, 2)).shape)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "torch.Size([3,", "2])"]
+    notices = [line for line in r.stderr.splitlines() if "ExtensionFallbackWarning" in line]
+    assert len(notices) == 1 and "simulated: no minagi._C" in notices[0] and "pure-torch" in notices[0]
+
+
+def test_require_makes_a_missing_extension_an_error():
+    r = _py(HIDE_EXT + "import minagi", MINAGI_REQUIRE_EXT="1")
+    assert r.returncode != 0 and "MINAGI_REQUIRE_EXT=1 but minagi._C did not load" in r.stderr
+
+
+def test_require_and_disable_contradict():
+    r = _py("import minagi", MINAGI_REQUIRE_EXT="1", MINAGI_DISABLE_EXT="1")
+    assert r.returncode != 0 and "contradict" in r.stderr
+
+
+def test_bad_flag_value_is_named():
+    r = _py("import minagi", MINAGI_DISABLE_EXT="maybe")
+    assert r.returncode != 0 and "MINAGI_DISABLE_EXT='maybe'" in r.stderr
+
+
+@requires_ext
+def test_require_with_a_built_extension_loads():
+    r = _py("import minagi; print(minagi.extension_loaded())", MINAGI_REQUIRE_EXT="1")
+    assert r.returncode == 0 and r.stdout.strip() == "True"
+
+
+def test_doctor():
+    r = subprocess.run([sys.executable, "-m", "minagi", "doctor"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout and "cpu build" in r.stdout
+    if EXT:
+        assert "minagi::grouped_mm" in r.stdout and "openmp=" in r.stdout and "openmp=no" not in r.stdout
+
+
+def test_bench_dispatch_small(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "minagi.bench", "dispatch", "--N", "64", "--S", "8", "--K", "2",
+                        "--D", "8", "--H", "16", "--sink-chars", "60", "--reps", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    for routing in ("uniform", "sink"):
+        rows = data["results"][routing]
+        assert {"rectangle", "grouped", "loop", "dense"} <= set(rows)
+        assert ("compiled" in rows) == EXT
+        assert all(row["ms"] > 0 and row["executed_ratio"] >= 1.0 for row in rows.values())
+    assert data["results"]["sink"]["rectangle"]["executed_ratio"] > 3
+    assert "sink routing" in r.stdout
+
+
+def test_bench_rejects_unknown_benchmark():
+    r = subprocess.run([sys.executable, "-m", "minagi.bench", "nope"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -1,0 +1,200 @@
+"""expert_mlp's paths against each other, the loop oracle, and the degenerate dense case."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minagi
+from minagi import PooledMLP, expert_mlp
+from minagi.bench.routings import sink_routing
+
+from cases import CASES, make
+from conftest import EXT, assert_close
+from oracle import expert_mlp_loop
+
+PATHS = ["grouped", "compiled"] if EXT else ["grouped"]
+ALL = ["rectangle", *PATHS]
+
+
+def _run(path, slot_idx, leaves, cf=0.0, bucketed=None, seed=2):
+    x, gates, w_in, w_out = (t.detach().clone().requires_grad_() for t in leaves)
+    y, stats = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, capacity_factor=cf,
+                          return_stats=True, bucketed=bucketed)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    grads = torch.autograd.grad(y, [x, gates, w_in, w_out], gy, allow_unused=True) if y.numel() else [None] * 4
+    return y, grads, stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cf", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("path", PATHS)
+def test_paths_match_rectangle(path, name, cf, dtype):
+    slot_idx, leaves = make(name, dtype)
+    y_r, g_r, s_r = _run("rectangle", slot_idx, leaves, cf)
+    y_p, g_p, s_p = _run(path, slot_idx, leaves, cf)
+    assert_close(y_p, y_r, msg=f"{path} output")
+    for what, a, b in zip(("x", "gates", "w_in", "w_out"), g_p, g_r):
+        assert_close(a, b, dtype, scale=4, msg=f"{path} grad of {what}")
+    assert s_p.dropped_pairs == s_r.dropped_pairs
+    assert s_p.routed_pairs == s_r.routed_pairs == slot_idx.numel()
+
+
+@pytest.mark.parametrize("name", ["one_char", "k1", "k_eq_S", "S1", "uniform", "sink"])
+@pytest.mark.parametrize("cf", [0.0, 0.75])
+def test_loop_oracle_agrees_with_every_path(name, cf):
+    slot_idx, (x, gates, w_in, w_out) = make(name, torch.float64, requires_grad=False)
+    want = expert_mlp_loop(x, slot_idx, gates, w_in, w_out, capacity_factor=cf)
+    for path in ALL:
+        got = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, capacity_factor=cf)
+        assert_close(got, want, msg=f"{path} vs loop oracle")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["sink", "uniform", "one_char"])
+def test_bucket_padding_changes_nothing(path, name):
+    slot_idx, leaves = make(name)
+    y_b, g_b, s_b = _run(path, slot_idx, leaves, bucketed=True)
+    y_e, g_e, s_e = _run(path, slot_idx, leaves, bucketed=False)
+    assert_close(y_b, y_e)
+    for a, b in zip(g_b, g_e):
+        assert_close(a, b, scale=4)
+    assert s_e.executed_rows == s_e.routed_pairs <= s_b.executed_rows
+
+
+@pytest.mark.parametrize("path", ALL)
+def test_one_slot_top1_is_a_dense_mlp(path):
+    x = torch.randn(37, 8, dtype=torch.float64)
+    w1, w2 = torch.randn(1, 8, 16, dtype=torch.float64), torch.randn(1, 16, 8, dtype=torch.float64)
+    y = expert_mlp(x, torch.zeros(37, 1, dtype=torch.long), torch.ones(37, 1, dtype=torch.float64), w1, w2, path=path)
+    assert_close(y, F.gelu(x @ w1[0]) @ w2[0])
+
+
+def test_stats_at_the_sink():
+    slot_idx = sink_routing(2081, 128, 8, 1960)
+    x, w = torch.zeros(2081, 1), torch.zeros(128, 1, 1)
+    gates = torch.zeros(2081, 8)
+    _, rect = expert_mlp(x, slot_idx, gates, w, w, path="rectangle", return_stats=True)
+    _, grp = expert_mlp(x, slot_idx, gates, w, w, path="grouped", return_stats=True)
+    assert rect.routed_pairs == grp.routed_pairs == 2081 * 8
+    assert rect.executed_rows == 128 * 1960 and rect.groups == 1
+    assert abs(rect.max_load_ratio - 1960 / (2081 * 8 / 128)) < 1e-9
+    assert grp.groups >= 2 and grp.executed_ratio <= 2.0   # the bucketed bound
+    assert rect.executed_ratio > 15
+    if EXT:
+        _, cmp_ = expert_mlp(x, slot_idx, gates, w, w, path="compiled", return_stats=True)
+        assert cmp_.executed_rows == cmp_.routed_pairs     # exact ranges on the CPU: no padding
+    _, capped = expert_mlp(x, slot_idx, gates, w, w, path="grouped", capacity_factor=1.0, return_stats=True)
+    assert capped.dropped_pairs == 1960 - 131               # the sink keeps ceil(16648 / 128) pairs
+    assert set(capped.as_dict()) >= {"routed_pairs", "dropped_pairs", "executed_rows", "groups",
+                                     "max_load_ratio", "executed_ratio"}
+
+
+@pytest.mark.parametrize("path", ALL)
+def test_empty_input(path):
+    x = torch.zeros(0, 4, requires_grad=True)
+    w = torch.randn(3, 4, 4, requires_grad=True)
+    y, stats = expert_mlp(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), w, w, path=path,
+                          return_stats=True)
+    assert y.shape == (0, 4) and stats.routed_pairs == 0 and stats.executed_rows == 0
+
+
+@pytest.mark.parametrize("path", ALL)
+def test_non_contiguous_inputs(path):
+    slot_idx, (x, gates, w_in, w_out) = make("sink", requires_grad=False)
+    want = expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle")
+    x_t = x.t().contiguous().t()
+    idx_t = slot_idx.t().contiguous().t()
+    g_t = gates.t().contiguous().t()
+    w_in_t = w_in.transpose(1, 2).contiguous().transpose(1, 2)
+    w_out_t = w_out.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not x_t.is_contiguous() and not w_in_t.is_contiguous()
+    assert_close(expert_mlp(x_t, idx_t, g_t, w_in_t, w_out_t, path=path), want)
+
+
+def _bad(**overrides):
+    args = {"x": torch.randn(5, 4), "slot_idx": torch.zeros(5, 2, dtype=torch.long), "gates": torch.ones(5, 2),
+            "w_in": torch.randn(3, 4, 6), "w_out": torch.randn(3, 6, 4)}
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"x": torch.randn(5)}, "x must be \\[N, d\\]"),
+    ({"x": torch.ones(5, 4, dtype=torch.long)}, "x must be a floating-point"),
+    ({"slot_idx": torch.zeros(5, 2, dtype=torch.int32)}, "slot_idx must be int64"),
+    ({"slot_idx": torch.zeros(4, 2, dtype=torch.long)}, "slot_idx must be \\[N, k\\]"),
+    ({"slot_idx": torch.full((5, 2), 3)}, "slot_idx holds 3, outside \\[0, S = 3\\)"),
+    ({"slot_idx": torch.full((5, 2), -1)}, "slot_idx holds -1"),
+    ({"slot_idx": torch.zeros(5, 4, dtype=torch.long), "gates": torch.ones(5, 4)}, "top_k .* must be in \\[1, S = 3\\]"),
+    ({"gates": torch.ones(5, 3)}, "gates must have slot_idx's shape"),
+    ({"gates": torch.ones(5, 2, dtype=torch.float64)}, "gates is torch.float64 but x is torch.float32"),
+    ({"w_in": torch.randn(3, 5, 6)}, "w_in.shape\\[1\\] \\(5\\) must equal x.shape\\[1\\] \\(4\\)"),
+    ({"w_out": torch.randn(3, 6, 5)}, "w_out must be \\[S, h, d\\]"),
+    ({"w_in": torch.randn(4, 6)}, "w_in must be \\[S, d, h\\]"),
+])
+def test_bad_input_names_the_argument(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        expert_mlp(**_bad(**overrides))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="path must be one of"):
+        expert_mlp(**_bad(), path="fast")
+    with pytest.raises(ValueError, match="capacity_factor must be a finite number >= 0"):
+        expert_mlp(**_bad(), capacity_factor=-1)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        expert_mlp(**_bad(x=[[1.0]]))
+
+
+def test_compiled_path_without_extension_is_an_error(monkeypatch):
+    from minagi import ops
+    monkeypatch.setattr(ops, "supports", lambda device: False)
+    with pytest.raises(RuntimeError, match="path='compiled' is not available"):
+        expert_mlp(**_bad(), path="compiled")
+    assert minagi.dispatch.resolve_path("auto", torch.device("cpu")) == "grouped"
+
+
+def test_auto_takes_compiled_when_loaded():
+    assert minagi.dispatch.resolve_path("auto", torch.device("cpu")) == ("compiled" if EXT else "grouped")
+
+
+def test_nan_router_does_not_crash_dispatch():
+    m = PooledMLP(8, 16, 6, 2)
+    x = torch.randn(10, 8)
+    x[3] = float("nan")
+    y = m(x)
+    assert y.shape == x.shape and y[3].isnan().all() and not y[[0, 1, 2, 4]].isnan().any()
+
+
+# ---------------------------------------------------------------- PooledMLP
+
+def test_pooled_mlp_switch_to_rectangle(monkeypatch):
+    m = PooledMLP(8, 16, 6, 2).double()
+    x = torch.randn(4, 7, 8, dtype=torch.float64)
+    y_grouped, s_grouped = m(x, return_stats=True)
+    monkeypatch.setattr(PooledMLP, "grouped_dispatch", False)
+    y_rect, s_rect = m(x, return_stats=True)
+    assert y_rect.shape == x.shape and s_rect.groups == 1 and s_grouped.groups >= 1
+    assert s_rect.executed_rows % 6 == 0  # every one of the 6 slots padded to one length
+    assert_close(y_grouped, y_rect)
+
+
+def test_pooled_mlp_takes_a_card_from_outside():
+    m = PooledMLP(8, 16, 4, 2).double()
+    other = PooledMLP(8, 16, 4, 2).double()
+    x = torch.randn(9, 8, dtype=torch.float64)
+    assert_close(m(x, card=other.card()), other(x))
+    router, w_in, w_out = (t.detach().clone().requires_grad_() for t in other.card())
+    m(x, card=(router, w_in, w_out)).sum().backward()
+    assert router.grad is not None and w_in.grad is not None and m.w_in.grad is None
+
+
+def test_pooled_mlp_router_gets_gradients():
+    m = PooledMLP(8, 16, 6, 2)
+    m(torch.randn(12, 8)).square().sum().backward()
+    assert m.router.grad.abs().sum() > 0 and m.w_in.grad.abs().sum() > 0
+
+
+def test_pooled_mlp_rejects_bad_top_k():
+    with pytest.raises(ValueError, match="top_k must be in \\[1, n_slots = 4\\]"):
+        PooledMLP(8, 16, 4, 5)

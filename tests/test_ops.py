@@ -1,0 +1,308 @@
+"""Each compiled op against its pure-torch twin, forward and backward; opcheck; gradcheck."""
+import pytest
+import torch
+
+from minagi import ops, reference
+from minagi.bench.routings import sink_routing
+
+from cases import CASES, make
+from conftest import assert_close, requires_ext
+
+pytestmark = requires_ext
+REF = ops.REFERENCE
+DTYPES = [torch.float32, torch.float64]
+
+
+def _grads(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(out, (tuple, list)):
+        out = [o for o in out if o.is_floating_point()]
+    else:
+        out = [out]
+    gouts = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in out]
+    live = [t for t in inputs if t is not None and t.requires_grad]
+    got = torch.autograd.grad(out, live, gouts, allow_unused=True)
+    it = iter(got)
+    return [next(it) if (t is not None and t.requires_grad) else None for t in inputs]
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(t.is_floating_point())
+
+
+def _compare(fn_c, fn_r, inputs, dtype, msg):
+    """Forward outputs and input gradients of the compiled op against the twin's."""
+    ic = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    ir = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    oc, orf = fn_c(*ic), fn_r(*ir)
+    for a, b in zip(oc if isinstance(oc, tuple) else (oc,), orf if isinstance(orf, tuple) else (orf,)):
+        if a.is_floating_point():
+            assert_close(a, b, dtype, msg=f"{msg} forward")
+        else:
+            assert torch.equal(a, b), f"{msg} forward (indices)"
+    tc = [t for t in ic if isinstance(t, torch.Tensor)]
+    tr = [t for t in ir if isinstance(t, torch.Tensor)]
+    if not any(t.requires_grad for t in tc):
+        return
+    out_c = [o for o in (oc if isinstance(oc, tuple) else (oc,)) if o.is_floating_point()]
+    if not out_c or sum(o.numel() for o in out_c) == 0:
+        return
+    for i, (gc, gr) in enumerate(zip(_grads(oc, tc), _grads(orf, tr))):
+        if tc[i].requires_grad:
+            assert_close(gc, gr, dtype, scale=4, msg=f"{msg} grad of input {i}")
+
+
+def _plan(slot_idx, S, cap=0, bucketed=True):
+    return REF.group_plan(slot_idx, S, cap, bucketed)
+
+
+# ---------------------------------------------------------------- routing
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,S,K", [(1, 8, 3), (0, 8, 2), (40, 6, 1), (10, 4, 4), (15, 1, 1), (300, 128, 8)])
+def test_routing_matches_twin(compiled, dtype, N, S, K):
+    # Rounded logits make ties; both must send a tie to the lower slot.
+    logits = (torch.randn(N, S) * 2).round().to(dtype)
+    _compare(compiled.routing, REF.routing, [logits, K], dtype, "routing")
+    idx, _, load = compiled.routing(logits, K)
+    assert torch.equal(load, torch.bincount(idx.reshape(-1), minlength=S))
+
+
+def test_routing_ties_go_to_lower_slot(compiled):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    for impl in (compiled, REF):
+        idx, gates, _ = impl.routing(logits, 2)
+        assert idx.tolist() == [[1, 2]]
+        assert_close(gates, torch.tensor([[0.5, 0.5]]))
+
+
+def test_routing_nan_logits_are_safe(compiled):
+    nan = float("nan")
+    logits = torch.tensor([[nan, 0.5, nan, 2.0], [nan, nan, nan, nan], [1.0, 2.0, 3.0, 4.0]])
+    for impl in (compiled, REF):
+        idx, gates, load = impl.routing(logits, 2)
+        assert idx.tolist()[0] == [3, 1]          # NaN ranks below every number
+        assert idx.tolist()[1] == [0, 1]          # an all-NaN row: the lowest slots, valid indices
+        assert gates[1].isnan().all()             # and NaN gates, so the loss shows it
+        assert not gates[0].isnan().any() and not gates[2].isnan().any()
+        assert int(load.sum()) == 6
+    assert torch.equal(compiled.routing(logits, 2)[0], REF.routing(logits, 2)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routing_backward_matches_twin(compiled, dtype):
+    gates = torch.softmax(torch.randn(30, 4, dtype=dtype), 1)
+    grad = torch.randn(30, 4, dtype=dtype)
+    idx = torch.randn(30, 9).topk(4, dim=1).indices
+    assert_close(compiled.routing_backward(grad, gates, idx, 9), REF.routing_backward(grad, gates, idx, 9), dtype)
+
+
+def test_routing_bfloat16(compiled):
+    logits = torch.randn(50, 16).to(torch.bfloat16)
+    ic, gc, _ = compiled.routing(logits, 4)
+    ir, gr, _ = REF.routing(logits, 4)
+    assert torch.equal(ic, ir)
+    assert_close(gc, gr, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- group_plan
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cap", [0, 1, 5])
+@pytest.mark.parametrize("bucketed", [True, False])
+def test_group_plan_matches_twin(compiled, name, cap, bucketed):
+    N, S, K, build = CASES[name]
+    slot_idx = build(N, S, K)
+    got = compiled.group_plan(slot_idx, S, cap, bucketed)
+    want = REF.group_plan(slot_idx, S, cap, bucketed)
+    for field, a, b in zip(("load", "slot_order", "slot_rows", "row_pair", "dest"), got, want):
+        assert torch.equal(a, b), f"{name}: {field} differs"
+
+
+def test_sink_plan_splits_into_groups(compiled):
+    slot_idx = CASES["sink"][3](*CASES["sink"][:3])
+    load, order, rows, row_pair, dest = compiled.group_plan(slot_idx, 16, 0, True)
+    assert len(reference.groups(rows)) >= 2
+    assert int(order[-1]) == 0 and int(load[0]) == 282  # the sink, busiest, last
+    assert int(rows[-1]) == reference.bucket(282) == 384
+
+
+def test_one_character_is_one_group(compiled):
+    slot_idx = torch.tensor([[5, 1, 7]])
+    load, order, rows, row_pair, dest = compiled.group_plan(slot_idx, 8, 0, True)
+    assert reference.groups(rows) == [(3, 1)]
+    assert sorted(order.tolist()) == [1, 5, 7]
+
+
+@pytest.mark.parametrize("n,b", [(0, 0), (1, 1), (2, 2), (3, 4), (100, 128), (128, 128), (129, 256),
+                                 (256, 256), (257, 384), (1960, 2048)])
+def test_bucket(n, b):
+    assert reference.bucket(n) == b
+    if n:
+        assert int(reference.bucket_tensor(torch.tensor([n]))) == b
+
+
+# ---------------------------------------------------------------- gather / scatter / gate_grad
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cap", [0, 2])
+@pytest.mark.parametrize("with_gates", [False, True])
+def test_gather_scatter_match_twin(compiled, dtype, name, cap, with_gates):
+    slot_idx, (x, gates, _, _) = make(name, dtype)
+    N, S, K, _ = CASES[name]
+    _, _, _, row_pair, dest = _plan(slot_idx, S, cap)
+    g = gates if with_gates else None
+    _compare(compiled.bucketed_gather, REF.bucketed_gather, [x, row_pair, dest, g], dtype, "gather")
+    rows = torch.randn(row_pair.shape[0], x.shape[1], dtype=dtype)
+    _compare(compiled.weighted_scatter, REF.weighted_scatter, [rows, dest, row_pair, g], dtype, "scatter")
+    _compare(compiled.gate_grad, REF.gate_grad, [x, rows, dest, row_pair], dtype, "gate_grad")
+
+
+def test_gather_and_scatter_are_each_others_backward(compiled):
+    slot_idx, (x, gates, _, _) = make("sink")
+    _, _, _, row_pair, dest = _plan(slot_idx, 16)
+    rows = torch.randn(row_pair.shape[0], x.shape[1], dtype=torch.float64)
+    # <gather(x), rows> == <x, scatter(rows)>: adjoint maps.
+    lhs = (compiled.bucketed_gather(x, row_pair, dest, gates) * rows).sum()
+    rhs = (x * compiled.weighted_scatter(rows, dest, row_pair, gates)).sum()
+    assert_close(lhs, rhs)
+
+
+def test_gather_zero_pads(compiled):
+    slot_idx = torch.tensor([[0], [0], [1]])
+    x = torch.arange(6.0).view(3, 2)
+    _, _, rows, row_pair, dest = _plan(slot_idx, 2)
+    out = compiled.bucketed_gather(x, row_pair, dest, None)
+    assert rows.tolist() == [1, 2] and out.tolist() == [[4, 5], [0, 1], [2, 3]]
+
+
+# ---------------------------------------------------------------- grouped GEMM
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("bucketed", [True, False])
+def test_grouped_mm_matches_twin(compiled, dtype, name, bucketed):
+    slot_idx, (_, _, w_in, _) = make(name, dtype)
+    N, S, K, _ = CASES[name]
+    _, order, rows, row_pair, _ = _plan(slot_idx, S, 0, bucketed)
+    a = torch.randn(row_pair.shape[0], w_in.shape[1], dtype=dtype)
+    _compare(compiled.grouped_mm, REF.grouped_mm, [a, w_in, order, rows], dtype, "grouped_mm")
+    g = torch.randn(row_pair.shape[0], 5, dtype=dtype)
+    _compare(compiled.grouped_mm_wgrad, REF.grouped_mm_wgrad, [a, g, order, rows, S], dtype, "wgrad")
+
+
+def test_grouped_mm_transposed_weights(compiled):
+    slot_idx = sink_routing(200, 8, 2, 190)
+    _, order, rows, row_pair, _ = _plan(slot_idx, 8, 0, False)
+    a = torch.randn(row_pair.shape[0], 6, dtype=torch.float64)
+    b_t = torch.randn(8, 7, 6, dtype=torch.float64).transpose(1, 2)  # a strided view
+    assert_close(compiled.grouped_mm(a, b_t, order, rows), REF.grouped_mm(a, b_t, order, rows))
+
+
+def test_grouped_mm_bfloat16(compiled):
+    slot_idx, (_, _, w_in, _) = make("sink", torch.bfloat16, requires_grad=False)
+    _, order, rows, row_pair, _ = _plan(slot_idx, 16)
+    a = torch.randn(row_pair.shape[0], w_in.shape[1]).to(torch.bfloat16)
+    assert_close(compiled.grouped_mm(a, w_in, order, rows), REF.grouped_mm(a, w_in, order, rows), torch.bfloat16)
+
+
+def test_grouped_mm_splits_a_lone_slot_across_threads(compiled):
+    # One slot owning every row: the CPU kernel cuts it into parts; the result must not change.
+    a = torch.randn(1000, 32, dtype=torch.float64)
+    b = torch.randn(1, 32, 48, dtype=torch.float64)
+    ids, rows = torch.tensor([0]), torch.tensor([1000])
+    assert_close(compiled.grouped_mm(a, b, ids, rows), a @ b[0])
+    g = torch.randn(1000, 48, dtype=torch.float64)
+    assert_close(compiled.grouped_mm_wgrad(a, g, ids, rows, 3)[0], a.t() @ g)
+    assert compiled.grouped_mm_wgrad(a, g, ids, rows, 3)[1:].abs().sum() == 0
+
+
+# ---------------------------------------------------------------- opcheck and gradcheck
+
+def _opcheck_samples():
+    slot_idx, (x, gates, w_in, w_out) = make("sink", torch.float64)
+    S = w_in.shape[0]
+    _, order, rows, row_pair, dest = _plan(slot_idx, S)
+    buf = torch.randn(row_pair.shape[0], x.shape[1], dtype=torch.float64, requires_grad=True)
+    a = torch.randn(row_pair.shape[0], w_in.shape[1], dtype=torch.float64, requires_grad=True)
+    g = torch.randn(row_pair.shape[0], w_in.shape[2], dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(40, S, dtype=torch.float64, requires_grad=True)
+    return {
+        "routing": (logits, 4),
+        "routing_backward": (torch.randn(40, 4, dtype=torch.float64), torch.rand(40, 4, dtype=torch.float64),
+                             torch.randn(40, S).topk(4, 1).indices, S),
+        "group_plan": (slot_idx, S, 0, True),
+        "bucketed_gather": (x, row_pair, dest, gates),
+        "weighted_scatter": (buf, dest, row_pair, gates),
+        "gate_grad": (x, buf, dest, row_pair),
+        "grouped_mm": (a, w_in, order, rows),
+        "grouped_mm_wgrad": (a, g, order, rows, S),
+    }
+
+
+@pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "bucketed_gather",
+                                "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad"])
+def test_opcheck(compiled, op):
+    args = _opcheck_samples()[op]
+    # group_plan's output sizes depend on the data: no static-shape tracing for it. routing's
+    # first output is int64, and opcheck's AOT harness sums every output into a tensor of the
+    # first output's dtype in place, which fails before our op is looked at.
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if op not in ("group_plan", "routing"):
+        utils = utils + ("test_aot_dispatch_dynamic",)
+    torch.library.opcheck(getattr(torch.ops.minagi, op), args, test_utils=utils)
+
+
+def test_opcheck_without_gates(compiled):
+    slot_idx, (x, _, _, _) = make("uniform", torch.float64)
+    _, _, _, row_pair, dest = _plan(slot_idx, 16)
+    torch.library.opcheck(torch.ops.minagi.bucketed_gather, (x, row_pair, dest, None))
+
+
+def test_gradcheck(compiled):
+    slot_idx, (x, gates, w_in, w_out) = make("sink", torch.float64, D=3, H=4)
+    slot_idx, x, gates = slot_idx[:24], x[:24].detach().requires_grad_(), gates[:24].detach().requires_grad_()
+    S = w_in.shape[0]
+    _, order, rows, row_pair, dest = _plan(slot_idx, S)
+    buf = torch.randn(row_pair.shape[0], 3, dtype=torch.float64, requires_grad=True)
+    check = torch.autograd.gradcheck
+    assert check(lambda x, g: compiled.bucketed_gather(x, row_pair, dest, g), (x, gates))
+    assert check(lambda r, g: compiled.weighted_scatter(r, dest, row_pair, g), (buf, gates))
+    assert check(lambda a, r: compiled.gate_grad(a, r, dest, row_pair), (x, buf))
+    assert check(lambda a, b: compiled.grouped_mm(a, b, order, rows), (buf, w_in))
+    g = torch.randn(row_pair.shape[0], 4, dtype=torch.float64, requires_grad=True)
+    assert check(lambda a, g: compiled.grouped_mm_wgrad(a, g, order, rows, S), (buf, g))
+    logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    assert check(lambda l: compiled.routing(l, 3)[1], (logits,))
+    # double backward through gather/scatter (their backwards are each other)
+    assert torch.autograd.gradgradcheck(lambda x, g: compiled.bucketed_gather(x, row_pair, dest, g), (x, gates))
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_inputs_name_the_argument(compiled):
+    idx = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="top_k must be in"):
+        compiled.routing(torch.randn(3, 4), 5)
+    with pytest.raises(RuntimeError, match="logits must be 2-D"):
+        compiled.routing(torch.randn(3), 1)
+    with pytest.raises(RuntimeError, match="logits must be float32"):
+        compiled.routing(torch.ones(3, 4, dtype=torch.long), 1)
+    with pytest.raises(RuntimeError, match="slot_idx holds 9"):
+        compiled.group_plan(torch.tensor([[0, 9]]), 4, 0, True)
+    with pytest.raises(RuntimeError, match="slot_idx must be int64"):
+        compiled.group_plan(idx.int(), 4, 0, True)
+    with pytest.raises(RuntimeError, match="capacity must be >= 0"):
+        compiled.group_plan(idx, 4, -1, True)
+    _, order, rows, row_pair, dest = compiled.group_plan(idx, 4, 0, False)
+    with pytest.raises(RuntimeError, match="dest.shape\\[0\\] must equal x.shape\\[0\\]"):
+        compiled.bucketed_gather(torch.randn(2, 3), row_pair, dest, None)
+    with pytest.raises(RuntimeError, match="gates .* must have the dtype"):
+        compiled.weighted_scatter(torch.randn(2, 3), dest, row_pair, torch.ones(1, 2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="slot_rows sums to 2 rows but the input has 3"):
+        compiled.grouped_mm(torch.randn(3, 4), torch.randn(4, 4, 5), order, rows)
+    with pytest.raises(RuntimeError, match="b .* must have the dtype of a"):
+        compiled.grouped_mm(torch.randn(2, 4), torch.randn(4, 4, 5, dtype=torch.float64), order, rows)
+    with pytest.raises(RuntimeError, match="lists slot 0 twice"):
+        compiled.grouped_mm_wgrad(torch.randn(2, 4), torch.randn(2, 5), torch.tensor([0, 0]), rows, 4)

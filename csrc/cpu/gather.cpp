@@ -30,7 +30,7 @@ at::Tensor bucketed_gather_cpu(const at::Tensor& x_in, const at::Tensor& row_pai
   const at::Tensor x = x_in.contiguous(), row_pair = row_pair_in.contiguous();
   const int64_t N = x.size(0), D = x.size(1), k = dest_in.size(1), E = row_pair.size(0);
   check_range_cpu(row_pair, -1, N * k, op, "row_pair");
-  at::Tensor out = at::empty({E, D}, x.options());
+  at::Tensor out = empty_output({E, D}, x.options());
   const at::Tensor gates = gates_in.has_value() ? gates_in->contiguous() : at::Tensor();
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_bucketed_gather", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -71,7 +71,7 @@ at::Tensor weighted_scatter_cpu(const at::Tensor& rows_in, const at::Tensor& des
   const at::Tensor rows = rows_in.contiguous(), dest = dest_in.contiguous();
   const int64_t E = rows.size(0), D = rows.size(1), N = dest.size(0), k = dest.size(1);
   check_range_cpu(dest, -1, E, op, "dest");
-  at::Tensor out = at::empty({N, D}, rows.options());
+  at::Tensor out = empty_output({N, D}, rows.options());
   const at::Tensor gates = gates_in.has_value() ? gates_in->contiguous() : at::Tensor();
   MINAGI_DISPATCH_FLOATING(rows.scalar_type(), "minagi_weighted_scatter", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -116,7 +116,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   check_size(b, 1, a_in.size(1), op, "b", "a.shape[1]");
   const at::Tensor a = a_in.contiguous();
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), op, false);
-  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
+  at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
   run_parts(parts, [&](const Part& p) {
     const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
@@ -140,7 +140,7 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), n_slots, op, true);
   const int64_t K = a.size(1), M = grad.size(1);
   // Only the slots that own no rows need zeros; the others are overwritten whole.
-  at::Tensor out = at::empty({n_slots, K, M}, a.options());
+  at::Tensor out = empty_output({n_slots, K, M}, a.options());
   const at::Tensor ids = slot_ids.contiguous();
   auto parts = plan_parts(ids, start, at::get_num_threads());
   // Slots with no rows get zeros, as parts of their own so the zeroing is shared out too.

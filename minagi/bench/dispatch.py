@@ -5,8 +5,8 @@ Rows: rectangle / grouped / compiled (expert_mlp's paths), loop (one masked matm
 the common naive MoE), grouped_mm (torch._grouped_mm where this torch has it) and dense (the
 limit: one matmul pair over exactly the routed rows). Columns: ms, executed rows / routed pairs,
 effective GFLOP/s of the routed work (12 N K d h per forward+backward) and the ratio to dense.
-Methods are timed in interleaved rounds and summarised by the median, so a noisy neighbour hurts
-every method alike.
+Methods are timed in interleaved rounds (each call after an untimed one of the same method) and
+summarised by the median, so a noisy neighbour hurts every method alike.
 """
 from __future__ import annotations
 
@@ -141,6 +141,10 @@ def run(N=2081, S=128, K=8, D=256, H=512, sink_chars=1960, reps=5, dtype=torch.f
             fn()
         for _ in range(reps):
             for name, fn in runs.items():
+                # One untimed call first: the allocator's state (which blocks are mapped, which
+                # must be faulted in again) is left by the method before; time this method's own
+                # steady state, as a training loop would see it.
+                fn()
                 times[name].append(_time(fn, device))
         dense_ms = statistics.median(times["dense"])
         results[routing] = {}

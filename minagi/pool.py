@@ -23,30 +23,35 @@ class Card(NamedTuple):
     w_out_SHD: torch.Tensor
 
 
+def init_experts(n: int, d_model: int, d_hidden: int, *, device=None, dtype=None, generator=None):
+    """Fresh (router [n, d], w_in [n, d, h], w_out [n, h, d]) for n experts."""
+    kw = {"device": device, "dtype": dtype}
+    router = torch.empty(n, d_model, **kw).normal_(std=1.0 / math.sqrt(d_model), generator=generator)
+    w_in = torch.empty(n, d_model, d_hidden, **kw).normal_(std=1.0 / math.sqrt(d_model), generator=generator)
+    w_out = torch.empty(n, d_hidden, d_model, **kw).normal_(std=1.0 / math.sqrt(d_hidden), generator=generator)
+    return router, w_in, w_out
+
+
 class PooledMLP(nn.Module):
     # The seed's switch: False sends every instance through the rectangle dispatch.
     grouped_dispatch: bool = True
 
     def __init__(self, d_model: int, d_hidden: int, n_slots: int, top_k: int, *,
-                 capacity_factor: float = 0.0, path: str = "auto", device=None, dtype=None):
+                 capacity_factor: float = 0.0, path: str = "auto", own_card: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= n_slots:
             raise ValueError(f"PooledMLP: top_k must be in [1, n_slots = {n_slots}], got {top_k}")
-        kw = {"device": device, "dtype": dtype}
+        self.d_model, self.d_hidden, self.n_slots = d_model, d_hidden, n_slots
         self.top_k, self.capacity_factor, self.path = top_k, capacity_factor, path
-        self.router = nn.Parameter(torch.empty(n_slots, d_model, **kw))
-        self.w_in = nn.Parameter(torch.empty(n_slots, d_model, d_hidden, **kw))
-        self.w_out = nn.Parameter(torch.empty(n_slots, d_hidden, d_model, **kw))
-        self.reset_parameters()
         self.last_stats = None
-
-    def reset_parameters(self) -> None:
-        d, h = self.w_in.shape[1:]
-        nn.init.normal_(self.router, std=1.0 / math.sqrt(d))
-        nn.init.normal_(self.w_in, std=1.0 / math.sqrt(d))
-        nn.init.normal_(self.w_out, std=1.0 / math.sqrt(h))
+        if own_card:  # else every forward is handed its card (the model's pool admits one)
+            self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
+                n_slots, d_model, d_hidden, device=device, dtype=dtype))
 
     def card(self) -> Card:
+        if not hasattr(self, "w_in"):
+            raise RuntimeError("this PooledMLP has no card of its own (own_card=False): pass card=...")
         return Card(self.router, self.w_in, self.w_out)
 
     def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor):
@@ -57,6 +62,8 @@ class PooledMLP(nn.Module):
         """x [..., D] -> [..., D]. card: the slots' weights to use instead of this module's own."""
         router_SD, w_in_SDH, w_out_SHD = card if card is not None else self.card()
         x_ND = x.reshape(-1, x.shape[-1])
+        # Under autocast the activations may be bfloat16 while the card is float32: one dtype.
+        router_SD, w_in_SDH, w_out_SHD = (t.to(x_ND.dtype) for t in (router_SD, w_in_SDH, w_out_SHD))
         slot_idx_NK, gates_NK, _ = self.route(x_ND, router_SD)
         path = self.path if type(self).grouped_dispatch else "rectangle"
         y_ND, stats = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
@@ -66,6 +73,6 @@ class PooledMLP(nn.Module):
         return (y, stats) if return_stats else y
 
     def extra_repr(self) -> str:
-        S, D, H = self.w_in.shape
+        S, D, H = self.n_slots, self.d_model, self.d_hidden
         return (f"n_slots={S}, d_model={D}, d_hidden={H}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, path={self.path!r}")

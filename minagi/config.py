@@ -1,0 +1,201 @@
+"""Typed configuration: profiles in TOML (sections [model], [train], [data]) loaded into
+dataclasses, `--set section.key=value` overrides checked against the fields' types, unknown keys
+rejected with the close matches named. The resolved config travels with every checkpoint."""
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+DEFAULT_PROFILE = "cpu-tiny"
+
+
+class ConfigError(ValueError):
+    """A profile, key or value that cannot be used; the message says which and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    n_heads: int = 4
+    max_rows: int = 4  # applications of the shared block
+    d_hidden: int = 256  # expert MLP width
+    n_pool: int = 16  # experts in the pool
+    n_slots: int = 16  # experts on the card each step (<= n_pool)
+    top_k: int = 2
+    capacity_factor: float = 0.0  # 0 = uncapped
+    adaptive_rows: bool = True  # ACT-style halting per character
+    ponder_cost: float = 0.01  # weight of rows used in the loss
+    halt_epsilon: float = 0.01  # a character halts once its halting sum reaches 1 - epsilon
+    balance: str = "admission"  # the balance term (minagi.balance.BALANCE_TERMS)
+    balance_coef: float = 0.01
+    dispatch: str = "auto"  # expert_mlp path
+    dtype: str = "float32"  # float32 | bfloat16 (autocast on GPUs)
+    pool_device: str = ""  # "" = the compute device; "cpu" keeps the pool in host memory
+    rope_base: float = 10000.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch: int = 16
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_chunks: int = 32  # fixed held-out chunks per evaluation
+    checkpoint_every: int = 200
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch CPU threads; 0 = every core
+
+
+@dataclass
+class DataConfig:
+    context: int = 128  # bytes per chunk
+    path: str = ""  # "" = the Python standard library's source
+    heldout_every: int = 20  # every 20th file (by a stable hash of its path) is held out
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    profile: str = DEFAULT_PROFILE
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        cfg = cls(profile=d.get("profile", DEFAULT_PROFILE))
+        for section in SECTIONS:
+            for key, value in d.get(section, {}).items():
+                _set(cfg, section, key, value, source="checkpoint")
+        return cfg
+
+
+SECTIONS = ("model", "train", "data")
+
+
+def _section(cfg: Config, name: str):
+    if name not in SECTIONS:
+        raise ConfigError(f"unknown section {name!r}; the sections are {', '.join(SECTIONS)}")
+    return getattr(cfg, name)
+
+
+def _close(word: str, choices) -> str:
+    near = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(near)}?)" if near else ""
+
+
+def _coerce(value, typ: str, where: str):
+    """Value of the field's type, from TOML (typed) or from --set (a string)."""
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+    elif typ == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+    elif typ == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ == "str":
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where} must be {'a ' + typ if typ != 'int' else 'an int'}, got {value!r}")
+
+
+def _set(cfg: Config, section: str, key: str, value, source: str) -> None:
+    sec = _section(cfg, section)
+    types = {f.name: f.type for f in fields(sec)}
+    if key not in types:
+        raise ConfigError(f"unknown key {section}.{key} in {source}{_close(key, types)}; "
+                          f"the keys of [{section}] are {', '.join(types)}")
+    setattr(sec, key, _coerce(value, types[key], f"{section}.{key} (from {source})"))
+
+
+def profile_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".toml" and p.exists():
+        return p
+    p = PROFILE_DIR / f"{name}.toml"
+    if not p.exists():
+        names = sorted(q.stem for q in PROFILE_DIR.glob("*.toml"))
+        raise ConfigError(f"unknown profile {name!r}{_close(name, names)}; the profiles are {', '.join(names)}")
+    return p
+
+
+def load(profile: str = DEFAULT_PROFILE, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The profile's config with `section.key=value` overrides applied, checked by validate()."""
+    path = profile_path(profile)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"profile {path} is not valid TOML: {exc}") from exc
+    cfg = Config(profile=path.stem)
+    for section, table in raw.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]{_close(section, SECTIONS)}")
+        _section(cfg, section)
+        for key, value in table.items():
+            _set(cfg, section, key, value, source=str(path.name))
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides) -> None:
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set takes section.key=value (for example model.top_k=4), got {item!r}")
+        dotted, value = item.split("=", 1)
+        section, key = dotted.strip().split(".", 1)
+        _set(cfg, section, key, value.strip(), source="--set")
+
+
+def validate(cfg: Config) -> None:
+    m, t, d = cfg.model, cfg.train, cfg.data
+    checks = [
+        (m.d_model > 0 and m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})"),
+        ((m.d_model // max(m.n_heads, 1)) % 2 == 0, "model.d_model / model.n_heads must be even (rotary positions rotate pairs)"),
+        (m.max_rows >= 1, "model.max_rows must be >= 1"),
+        (m.d_hidden >= 1, "model.d_hidden must be >= 1"),
+        (1 <= m.n_slots <= m.n_pool, f"model.n_slots ({m.n_slots}) must be in [1, model.n_pool = {m.n_pool}]"),
+        (1 <= m.top_k <= m.n_slots, f"model.top_k ({m.top_k}) must be in [1, model.n_slots = {m.n_slots}]"),
+        (m.capacity_factor >= 0, "model.capacity_factor must be >= 0 (0 = uncapped)"),
+        (0 < m.halt_epsilon < 1, "model.halt_epsilon must be in (0, 1)"),
+        (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.dispatch in ("auto", "rectangle", "grouped", "compiled"), f"model.dispatch must be auto, rectangle, grouped or compiled, got {m.dispatch!r}"),
+        (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),
+        (t.lr > 0 and 0 <= t.min_lr_frac <= 1, "train.lr must be > 0 and train.min_lr_frac in [0, 1]"),
+        (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),
+        (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device must be auto, cpu or cuda, got {t.device!r}"),
+        (d.context >= 2, "data.context must be >= 2"),
+        (d.heldout_every >= 2, "data.heldout_every must be >= 2"),
+    ]
+    from .balance import BALANCE_TERMS
+
+    checks.append((m.balance in BALANCE_TERMS, f"model.balance must be one of {', '.join(BALANCE_TERMS)}, got {m.balance!r}"))
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)

@@ -1,0 +1,194 @@
+"""The byte model: one shared block (RMSNorm, causal attention with rotary positions, RMSNorm,
+pooled MLP, residuals) applied over recurrent rows, with a learned row embedding per row and
+ACT-style halting per character; the experts live in a pool, and each forward admits the
+n_slots of them that sit on the card.
+
+Legend: B batch, T positions, N characters (B * T, or the active ones), D model width, H expert
+width, P pool experts, S card slots, R rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .balance import BALANCE_TERMS, BalanceInputs
+from .config import ModelConfig
+from .pool import Card, PooledMLP, init_experts
+
+VOCAB = 256  # every byte value: nothing is ever unknown
+
+
+def rotary(x_BHTd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHTd.chunk(2, dim=-1)
+    return x_BHTd * cos_Td + torch.cat([-x2, x1], dim=-1) * sin_Td
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def qkv_heads(self, x_BTD, cos_Td, sin_Td):
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        return rotary(q, cos_Td, sin_Td), rotary(k, cos_Td, sin_Td), v
+
+    def forward(self, x_BTD, cos_Td, sin_Td):
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv_heads(x_BTD, cos_Td, sin_Td)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class ExpertPool(nn.Module):
+    """The pool's experts and admission: the n_slots experts with the highest mean affinity to
+    the chunk sit on the card. With n_slots == n_pool the card is the pool itself (no gather)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_pool, self.n_slots = cfg.n_pool, cfg.n_slots
+        self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(cfg.n_pool, cfg.d_model, cfg.d_hidden))
+        self.last_admitted = None  # pool rows on the card in the last forward: the optimizer's mask
+
+    def admit(self, x_ND: torch.Tensor, device: torch.device):
+        """(card on `device`, admitted pool rows [S], affinity [N, P])."""
+        aff_NP = torch.softmax(F.rms_norm(x_ND, (x_ND.shape[-1],)) @ self.router.to(device, x_ND.dtype).t(), dim=-1)
+        if self.n_slots == self.n_pool:
+            admitted_S = torch.arange(self.n_pool, device=device)
+            card = Card(self.router, self.w_in, self.w_out)
+        else:
+            mean_P = aff_NP.detach().float().mean(0)
+            top = torch.sort(mean_P, descending=True, stable=True).indices[: self.n_slots]
+            admitted_S = torch.sort(top).values
+            rows = admitted_S.to(self.w_in.device)
+            card = Card(*(t.index_select(0, rows).to(device) for t in (self.router, self.w_in, self.w_out)))
+        self.last_admitted = admitted_S
+        return Card(*(t.to(device) for t in card)), admitted_S, aff_NP
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, 256]
+    loss: torch.Tensor | None = None  # ce + ponder_cost * ponder + balance_coef * balance
+    ce: torch.Tensor | None = None  # nats per character
+    ponder: torch.Tensor | None = None  # mean rows used + remainder
+    balance: torch.Tensor | None = None
+    rows_used: torch.Tensor | None = None  # [B, T] rows each character took
+    dispatch: list = field(default_factory=list)  # DispatchStats per row
+
+
+class ByteModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, context: int):
+        super().__init__()
+        self.cfg, self.context = cfg, context
+        D = cfg.d_model
+        self.embed = nn.Embedding(VOCAB, D)
+        self.row_embed = nn.Parameter(torch.randn(cfg.max_rows, D) * 0.02)
+        self.norm_attn, self.norm_mlp, self.norm_out = nn.RMSNorm(D), nn.RMSNorm(D), nn.RMSNorm(D)
+        self.attn = Attention(D, cfg.n_heads)
+        self.pool = ExpertPool(cfg)
+        self.mlp = PooledMLP(D, cfg.d_hidden, cfg.n_slots, cfg.top_k, capacity_factor=cfg.capacity_factor,
+                             path=cfg.dispatch, own_card=False)
+        self.halt = nn.Linear(D, 1)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.balance_term = BALANCE_TERMS[cfg.balance]()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        nn.init.normal_(self.embed.weight, std=1.0)
+        for lin in (self.attn.qkv, self.head):
+            nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
+        # Residual outputs start small: each row nudges the state rather than replacing it.
+        nn.init.normal_(self.attn.proj.weight, std=0.5 / math.sqrt(self.cfg.d_model * self.cfg.max_rows))
+        with torch.no_grad():
+            self.pool.w_out.mul_(0.5 / math.sqrt(self.cfg.max_rows))
+        nn.init.zeros_(self.halt.weight)
+        nn.init.constant_(self.halt.bias, -1.0)  # p = 0.27 per row: new characters use most rows
+
+    def rotary_tables(self, T: int, device, dtype, offset: int = 0):
+        hd = self.cfg.d_model // self.cfg.n_heads
+        inv = 1.0 / (self.cfg.rope_base ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        ang = torch.arange(offset, offset + T, device=device, dtype=torch.float32)[:, None] * inv[None]
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def _mlp(self, x_BTD, card, active_BT, stats):
+        """The pooled MLP on the active characters only; halted ones get no update."""
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        if active_BT is None or bool(active_BT.all()):
+            y_ND, st = self.mlp(x_ND, card=card, return_stats=True)
+            stats.append(st)
+            return y_ND.view(B, T, D)
+        sel = active_BT.reshape(-1).nonzero().squeeze(1)
+        y_sel, st = self.mlp(x_ND.index_select(0, sel), card=card, return_stats=True)
+        stats.append(st)
+        return torch.zeros_like(x_ND).index_copy(0, sel, y_sel.to(x_ND.dtype)).view(B, T, D)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
+        cfg = self.cfg
+        B, T = idx_BT.shape
+        if T > self.context:
+            raise ValueError(f"ByteModel: {T} positions but the model's context is {self.context}")
+        h = self.embed(idx_BT)
+        dev = h.device
+        card, admitted, aff_NP = self.pool.admit(h.reshape(B * T, -1), dev)
+        cos, sin = self.rotary_tables(T, dev, h.dtype)
+        adaptive = cfg.adaptive_rows
+        active = torch.ones(B, T, dtype=torch.bool, device=dev)
+        cum = torch.zeros(B, T, device=dev)
+        remainder = torch.zeros(B, T, device=dev)
+        rows_used = torch.zeros(B, T, device=dev)
+        out = torch.zeros_like(h) if adaptive else None
+        stats = []
+        for r in range(cfg.max_rows):
+            u = h + self.row_embed[r].to(h.dtype)
+            a = u + self.attn(self.norm_attn(u), cos, sin)
+            new = a + self._mlp(self.norm_mlp(a), card, active if adaptive else None, stats)
+            rows_used = rows_used + active.float()
+            if not adaptive:
+                h = new
+                continue
+            h = torch.where(active.unsqueeze(-1), new, h)  # a halted character keeps its state
+            p = torch.sigmoid(self.halt(h).squeeze(-1).float())
+            stop = active & ((cum + p > 1 - cfg.halt_epsilon) | (r == cfg.max_rows - 1))
+            go_on = active & ~stop
+            w = torch.where(stop, 1 - cum, torch.where(go_on, p, torch.zeros_like(p)))
+            out = out + w.unsqueeze(-1).to(h.dtype) * h
+            remainder = torch.where(stop, 1 - cum, remainder)
+            cum = cum + torch.where(go_on, p, torch.zeros_like(p))
+            active = go_on
+            if not bool(active.any()):
+                break
+        final = out if adaptive else h
+        logits = self.head(self.norm_out(final))
+        result = ModelOutput(logits=logits, rows_used=rows_used, dispatch=stats)
+        if targets_BT is None:
+            return result
+        ce = F.cross_entropy(logits.float().view(-1, VOCAB), targets_BT.reshape(-1))
+        ponder = (rows_used + remainder).mean() if adaptive else rows_used.mean()
+        balance = self.balance_term(BalanceInputs(aff_NP, admitted, cfg.n_pool, cfg.n_slots, []))
+        loss = ce + (cfg.ponder_cost * ponder if adaptive else 0.0) + cfg.balance_coef * balance
+        result.loss, result.ce, result.ponder, result.balance = loss, ce, ponder.detach(), balance.detach()
+        return result
+
+    def param_groups(self, weight_decay: float):
+        """AdamW groups: matrices decay, norms / biases / row embeddings do not; the pool's
+        tensors are marked so the optimizer touches only the experts that were on the card."""
+        pool_ids = {id(p) for p in self.pool.parameters()}
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if id(p) in pool_ids:
+                continue
+            (decay if p.dim() >= 2 and name != "row_embed" else no_decay).append(p)
+        return [
+            {"params": decay, "weight_decay": weight_decay, "pool": False},
+            {"params": no_decay, "weight_decay": 0.0, "pool": False},
+            {"params": list(self.pool.parameters()), "weight_decay": weight_decay, "pool": True},
+        ]

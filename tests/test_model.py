@@ -1,0 +1,125 @@
+"""The byte model: dispatch paths agree, the degenerate dense case, admission and the optimizer."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minagi.config import ModelConfig
+from minagi.model import ByteModel
+from minagi.optim import PoolAdamW
+
+from conftest import EXT, assert_close
+
+PATHS = ["rectangle", "grouped"] + (["compiled"] if EXT else [])
+
+
+def small(**kw):
+    base = dict(d_model=16, n_heads=2, max_rows=3, d_hidden=24, n_pool=6, n_slots=6, top_k=2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _forward_backward(cfg, path, idx, tgt, seed=0):
+    torch.manual_seed(seed)
+    cfg.dispatch = path
+    model = ByteModel(cfg, context=idx.shape[1]).double()
+    out = model(idx, tgt)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_paths_agree_on_logits_and_gradients(adaptive):
+    idx = torch.randint(0, 256, (3, 11))
+    tgt = torch.randint(0, 256, (3, 11))
+    ref_out, ref_grads = _forward_backward(small(adaptive_rows=adaptive), "rectangle", idx, tgt)
+    for path in PATHS[1:]:
+        out, grads = _forward_backward(small(adaptive_rows=adaptive), path, idx, tgt)
+        assert_close(out.logits, ref_out.logits, msg=f"{path} logits")
+        assert_close(out.loss, ref_out.loss, msg=f"{path} loss")
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], scale=4, msg=f"{path} grad of {name}")
+
+
+def test_adaptive_rows_send_only_active_characters_to_the_mlp():
+    torch.manual_seed(3)
+    model = ByteModel(small(max_rows=4), context=16).double()
+    with torch.no_grad():
+        model.halt.bias.fill_(0.0)  # p = 0.5: characters halt after 2 rows (0.5 + 0.5 > 0.99)
+        model.halt.weight.normal_(std=2.0)  # ...or at other rows, by their state
+    out = model(torch.randint(0, 256, (2, 16)))
+    routed = [st.routed_pairs for st in out.dispatch]
+    active = [int((out.rows_used > r).sum()) * 2 for r in range(len(routed))]
+    assert routed == active and routed[-1] < routed[0]
+
+
+def test_one_expert_top1_fixed_rows_is_a_dense_weight_shared_transformer():
+    cfg = small(n_pool=1, n_slots=1, top_k=1, adaptive_rows=False, balance="none")
+    torch.manual_seed(0)
+    model = ByteModel(cfg, context=9).double()
+    idx = torch.randint(0, 256, (2, 9))
+    got = model(idx).logits
+    # The same weights as a plain transformer: one block applied max_rows times, dense GELU MLP.
+    m = model
+    w1, w2 = m.pool.w_in[0], m.pool.w_out[0]
+    cos, sin = m.rotary_tables(9, idx.device, torch.float64)
+    h = m.embed(idx)
+    for r in range(cfg.max_rows):
+        u = h + m.row_embed[r]
+        a = u + m.attn(m.norm_attn(u), cos, sin)
+        h = a + F.gelu(m.norm_mlp(a) @ w1) @ w2
+    assert_close(got, m.head(m.norm_out(h)))
+
+
+def test_admission_trains_only_the_experts_on_the_card():
+    torch.manual_seed(0)
+    cfg = small(n_pool=8, n_slots=3, top_k=2)
+    model = ByteModel(cfg, context=10)
+    opt = PoolAdamW(model.param_groups(0.1), model.pool, lr=1e-2)
+    idx, tgt = torch.randint(0, 256, (4, 10)), torch.randint(0, 256, (4, 10))
+    for _ in range(3):  # a few steps, so moments exist for every expert that was ever admitted
+        model(idx, tgt).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.pool.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.pool.named_parameters()}
+    out = model(torch.randint(0, 256, (4, 10)), tgt)
+    out.loss.backward()
+    admitted = model.pool.last_admitted
+    off = torch.ones(8, dtype=torch.bool)
+    off[admitted] = False
+    assert admitted.numel() == 3 and off.sum() == 5
+    # Expert weights get gradients only on the admitted pool rows; router keys also learn from
+    # the admission affinity over the whole pool (the balance term), which the optimizer drops
+    # for off-card experts below.
+    for n in ("w_in", "w_out"):
+        g = getattr(model.pool, n).grad
+        assert g[off].abs().sum() == 0 and g[admitted].abs().sum() > 0, n
+    assert model.pool.router.grad[admitted].abs().sum() > 0
+    opt.step()
+    for n, p in model.pool.named_parameters():
+        assert torch.equal(p[off], before[n][off]), f"{n}: an off-card expert moved"
+        assert torch.equal(opt.state[p]["exp_avg"][off], moments[n][off]), f"{n}: an off-card moment moved"
+        assert not torch.equal(p[admitted], before[n][admitted]), f"{n}: on-card experts did not move"
+
+
+def test_whole_pool_on_card_is_plain_adamw():
+    torch.manual_seed(0)
+    model = ByteModel(small(), context=8)
+    ours = PoolAdamW(model.param_groups(0.1), model.pool, lr=1e-2, betas=(0.9, 0.99))
+    clone = ByteModel(small(), context=8)
+    clone.load_state_dict(model.state_dict())
+    theirs = torch.optim.AdamW(clone.param_groups(0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    idx, tgt = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+    for _ in range(3):
+        for m, o in ((model, ours), (clone, theirs)):
+            m(idx, tgt).loss.backward()
+            o.step()
+            o.zero_grad()
+    for (n, a), (_, b) in zip(model.named_parameters(), clone.named_parameters()):
+        assert_close(a, b, torch.float32, scale=5, msg=n)
+
+
+def test_context_too_long_is_an_error():
+    model = ByteModel(small(), context=8)
+    with pytest.raises(ValueError, match="context is 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))

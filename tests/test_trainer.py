@@ -1,0 +1,153 @@
+"""The trainer and its command line: smoke run, exact resume after a kill, atomic checkpoints,
+the history file, and the errors a user can fix."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minagi import checkpoint
+from minagi.config import ConfigError, load
+from minagi.data import DataError, load_corpus
+from minagi.trainer import train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=4",
+        "model.max_rows=3", "data.context=32", "train.batch=4", "train.eval_chunks=4", "train.warmup=2"]
+HISTORY_FIELDS = {"step", "train_loss", "heldout_bpc", "char_per_s", "rows_mean", "max_load_ratio", "dropped_frac",
+                  "executed_ratio", "groups_mean", "mem_allocated", "mem_reserved", "mem_peak", "time_s"}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """~120 KB of real text: a few standard-library modules."""
+    import inspect
+    import json as j
+    import textwrap
+    p = tmp_path_factory.mktemp("data") / "corpus.txt"
+    p.write_text("".join(inspect.getsource(m) for m in (j.decoder, j.encoder, textwrap, inspect)))
+    return p
+
+
+def _history(run):
+    return [json.loads(line) for line in (Path(run) / "history.jsonl").read_text().splitlines()]
+
+
+def _cli(*args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "--quiet", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def test_cpu_tiny_smoke_run_heldout_falls(tmp_path):
+    cfg = load("cpu-tiny", ["train.steps=30", "train.eval_every=10", "train.checkpoint_every=10",
+                            "train.eval_chunks=8"])
+    last = train(cfg, tmp_path, progress=False)
+    hist = _history(tmp_path)
+    assert [r["step"] for r in hist] == [10, 20, 30] and last["step"] == 30
+    assert hist[-1]["heldout_bpc"] < hist[0]["heldout_bpc"] < 8.5
+    for rec in hist:
+        assert HISTORY_FIELDS <= set(rec)
+        assert rec["char_per_s"] > 0 and rec["mem_peak"] >= rec["mem_allocated"] > 0
+        assert 1 <= rec["rows_mean"] <= cfg.model.max_rows and rec["dropped_frac"] == 0
+        assert rec["executed_ratio"] >= 1 and rec["groups_mean"] >= 1 and rec["max_load_ratio"] >= 1
+    ckpt = checkpoint.load(tmp_path)
+    assert ckpt["step"] == 30 and ckpt["config"]["profile"] == "cpu-tiny"
+    assert ckpt["config"]["train"]["steps"] == 30 and set(ckpt["dispatch"]) == {"path", "extension"}
+
+
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, text_file):
+    args = ["--data", str(text_file), "--steps", "20", *sum((["--set", s] for s in TINY), []),
+            "--set", "train.checkpoint_every=5", "--set", "train.eval_every=5"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    r = _cli(*args, "--out", str(whole))
+    assert r.returncode == 0, r.stderr
+    r = _cli(*args, "--out", str(killed), env_extra={"MINAGI_TEST_KILL_AT_STEP": "12"})
+    assert r.returncode != 0  # SIGKILL after step 12: the last checkpoint is step 10's
+    assert [rec["step"] for rec in _history(killed)] == [5, 10]
+    r = _cli(*args, "--out", str(killed), "--resume")
+    assert r.returncode == 0, r.stderr
+    a, b = _history(whole), _history(killed)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10, 15, 20]
+    for x, y in zip(a, b):
+        assert x["train_loss"] == y["train_loss"] and x["heldout_bpc"] == y["heldout_bpc"], (x, y)
+    wa, wb = checkpoint.load(whole)["model"], checkpoint.load(killed)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_interrupted_checkpoint_write_keeps_the_last_good_one(tmp_path, monkeypatch):
+    checkpoint.save({"model": {"w": torch.ones(3)}, "config": {}, "step": 1}, tmp_path / "checkpoint.pt")
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save({"model": {"w": torch.zeros(3)}, "config": {}, "step": 2}, tmp_path / "checkpoint.pt")
+    monkeypatch.undo()
+    ckpt = checkpoint.load(tmp_path)
+    assert ckpt["step"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
+
+
+def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at"):
+        checkpoint.load(tmp_path)
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+        checkpoint.load(tmp_path)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--profile", "cpu-tinny"], "unknown profile 'cpu-tinny' (did you mean cpu-tiny"),
+    (["--set", "model.top_kk=3"], "unknown key model.top_kk in --set (did you mean top_k"),
+    (["--set", "model.top_k=three"], "model.top_k (from --set) must be an int, got 'three'"),
+    (["--set", "model.top_k=99"], "model.top_k (99) must be in [1, model.n_slots = 16]"),
+    (["--set", "modle.top_k=2"], "unknown section 'modle'"),
+    (["--set", "top_k"], "--set takes section.key=value"),
+    (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file or folder"),
+    (["--resume", "--out", "/tmp/minagi-no-such-run"], "no checkpoint at /tmp/minagi-no-such-run/checkpoint.pt"),
+])
+def test_cli_errors_name_the_problem(args, message):
+    r = _cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_corpus_smaller_than_a_chunk(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("print('hello')\n" * 4)
+    r = _cli("--data", str(small))
+    assert r.returncode == 2 and "one chunk needs data.context + 1 = 129 bytes" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no files to read"):
+        load_corpus(str(empty))
+
+
+def test_split_is_by_file_and_stable(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i:02d}.txt").write_text(f"file {i}\n" * 50)
+    c1, c2 = load_corpus(str(tmp_path)), load_corpus(str(tmp_path))
+    assert 0 < c1.n_heldout_files < 40 and torch.equal(c1.heldout, c2.heldout)
+    assert c1.train.numel() + c1.heldout.numel() == sum(f.stat().st_size for f in tmp_path.iterdir())
+
+
+def test_default_corpus_is_the_stdlib():
+    c = load_corpus("")
+    assert c.train.numel() > 1_000_000 and c.n_heldout_files > 10 and "standard library" in c.source
+
+
+def test_profiles_load_and_say_what_they_are_for():
+    for name in ("cpu-tiny", "cpu-small", "strix-small", "strix-large"):
+        cfg = load(name)
+        text = (ROOT / "profiles" / f"{name}.toml").read_text()
+        assert text.startswith("# ") and cfg.profile == name
+    large = load("strix-large").model
+    assert (large.n_slots, large.top_k, large.capacity_factor, large.dtype) == (128, 8, 0.0, "bfloat16")
+    assert large.n_pool - large.n_slots < large.n_slots // 10  # nearly the whole pool on the card
+    with pytest.raises(ConfigError):
+        load("cpu-tiny", ["train.lr=-1"])

@@ -1,6 +1,12 @@
 #!/usr/bin/env python3
-"""Train a minagi byte model: python train.py [--profile cpu-tiny] [--data PATH] [--out DIR]
-[--steps N] [--set section.key=value]... [--resume]. The loop lives in minagi/trainer.py."""
+"""Train a minagi byte model, and write from it, score it, plot it:
+
+    python train.py [--profile cpu-tiny] [--data PATH] [--out DIR] [--steps N] [--set k=v]... [--resume]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
+    python train.py eval DIR --data PATH
+    python train.py plot DIR
+
+The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
 import sys
 
 from minagi.cli import main

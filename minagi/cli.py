@@ -1,6 +1,9 @@
 """The command line behind train.py:
 
     python train.py [--profile cpu-tiny] [--data PATH] [--out DIR] [--steps N] [--set k=v]... [--resume]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
+    python train.py eval DIR --data PATH
+    python train.py plot DIR
 
 Errors a user can fix (an unknown profile or key, a bad value, missing data, a corpus too small,
 a missing checkpoint) end with one line saying what to do, and exit status 2.
@@ -13,8 +16,9 @@ import sys
 from .checkpoint import CheckpointError
 from .config import DEFAULT_PROFILE, ConfigError, load
 from .data import DataError
+from .plot import PlotError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError)
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -48,9 +52,58 @@ def run_train(argv) -> int:
     return 0
 
 
+def run_write(argv) -> int:
+    p = argparse.ArgumentParser(prog="python train.py write", description="Write text from a checkpoint.")
+    p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start from a newline)")
+    p.add_argument("--chars", type=int, default=400, help="characters (bytes) to write")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    from .writer import run_write as write
+
+    try:
+        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return 0
+
+
+def run_eval(argv) -> int:
+    p = argparse.ArgumentParser(prog="python train.py eval", description="Bits per character of a checkpoint on your text.")
+    p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
+    p.add_argument("--data", required=True, help="a text file or a folder of them: every byte is scored")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    from .evaluate import bits_per_char, read_bytes
+    from .writer import load_model
+
+    model, cfg = load_model(a.run, a.device)
+    data = read_bytes(a.data)
+    print(f"scoring {data.numel():,} bytes of {a.data} in windows of {cfg.data.context}", file=sys.stderr)
+    print(f"{bits_per_char(model, data, cfg.data.context):.4f}")
+    return 0
+
+
+def run_plot(argv) -> int:
+    from .plot import plot_history
+
+    p = argparse.ArgumentParser(prog="python train.py plot", description="Draw DIR/history.jsonl into DIR/history.png.")
+    p.add_argument("run", metavar="DIR")
+    print(plot_history(p.parse_args(argv).run))
+    return 0
+
+
+COMMANDS = {"write": run_write, "eval": run_eval, "plot": run_plot}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
         return run_train(argv)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -178,6 +178,19 @@ class ByteModel(nn.Module):
         result.loss, result.ce, result.ponder, result.balance = loss, ce, ponder.detach(), balance.detach()
         return result
 
+    def new_cache(self) -> "RowCache":
+        return RowCache(self)
+
+    @torch.no_grad()
+    def step(self, idx_B1: torch.Tensor, cache: "RowCache") -> ModelOutput:
+        """Next-character logits [B, 1, 256] for one new character per stream; updates the cache."""
+        return _step_impl(self, idx_B1, cache)
+
+    @torch.no_grad()
+    def score(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [B, T, 256] of each next byte, from a full forward pass."""
+        return torch.log_softmax(self(idx_BT).logits.float(), dim=-1)
+
     def param_groups(self, weight_decay: float):
         """AdamW groups: matrices decay, norms / biases / row embeddings do not; the pool's
         tensors are marked so the optimizer touches only the experts that were on the card."""
@@ -192,3 +205,62 @@ class ByteModel(nn.Module):
             {"params": no_decay, "weight_decay": 0.0, "pool": False},
             {"params": list(self.pool.parameters()), "weight_decay": weight_decay, "pool": True},
         ]
+
+
+class RowCache:
+    """Per-row key/value caches for incremental decoding: keys [B, heads, t, hd] per row, a
+    sliding window of the model's context. A character that halts at row r keeps its state, so
+    its keys and values for every later row are computed then, from that frozen state."""
+
+    def __init__(self, model: "ByteModel"):
+        self.k = [None] * model.cfg.max_rows
+        self.v = [None] * model.cfg.max_rows
+        self.pos = 0  # absolute position of the next character
+        self.window = model.context
+        self.card = None  # the card admitted for this stream (from its first characters)
+
+    def append(self, r: int, k, v) -> None:
+        self.k[r] = k if self.k[r] is None else torch.cat([self.k[r], k], dim=2)[:, :, -self.window:]
+        self.v[r] = v if self.v[r] is None else torch.cat([self.v[r], v], dim=2)[:, :, -self.window:]
+
+
+def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> ModelOutput:
+    """One new character per stream: its rows run against the cached rows of the characters
+    before it. The pooled MLP sees one character, a single group of its top_k experts."""
+    cfg, attn = model.cfg, model.attn
+    h = model.embed(idx_B1)
+    B, _, D = h.shape
+    dev = h.device
+    if cache.card is None:
+        cache.card, _, _ = model.pool.admit(h.reshape(B, D), dev)
+    cos, sin = model.rotary_tables(1, dev, h.dtype, offset=cache.pos)
+    active = torch.ones(B, 1, dtype=torch.bool, device=dev)
+    cum = torch.zeros(B, 1, device=dev)
+    rows_used = torch.zeros(B, 1, device=dev)
+    out = torch.zeros_like(h)
+    stats = []
+    for r in range(cfg.max_rows):
+        u = h + model.row_embed[r].to(h.dtype)
+        q, k, v = attn.qkv_heads(model.norm_attn(u), cos, sin)
+        cache.append(r, k, v)
+        if not bool(active.any()):
+            continue  # halted: only this row's keys and values, from the frozen state
+        y = F.scaled_dot_product_attention(q, cache.k[r], cache.v[r])  # every cached position is earlier
+        a = u + attn.proj(y.transpose(1, 2).reshape(B, 1, D))
+        new = a + model._mlp(model.norm_mlp(a), cache.card, active if cfg.adaptive_rows else None, stats)
+        rows_used = rows_used + active.float()
+        if not cfg.adaptive_rows:
+            h = new
+            continue
+        h = torch.where(active.unsqueeze(-1), new, h)
+        p = torch.sigmoid(model.halt(h).squeeze(-1).float())
+        stop = active & ((cum + p > 1 - cfg.halt_epsilon) | (r == cfg.max_rows - 1))
+        go_on = active & ~stop
+        w = torch.where(stop, 1 - cum, torch.where(go_on, p, torch.zeros_like(p)))
+        out = out + w.unsqueeze(-1).to(h.dtype) * h
+        cum = cum + torch.where(go_on, p, torch.zeros_like(p))
+        active = go_on
+    cache.pos += 1
+    final = out if cfg.adaptive_rows else h
+    return ModelOutput(logits=model.head(model.norm_out(final)), rows_used=rows_used, dispatch=stats)
+

@@ -1,0 +1,149 @@
+"""Writing, evaluation and plots."""
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minagi import ops
+from minagi.config import load
+from minagi.evaluate import bits_per_char
+from minagi.model import ByteModel
+from minagi.trainer import train
+from minagi.writer import load_model, prepare_prompt, write
+
+from conftest import assert_close
+from test_model import small
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny trained run (a few steps is enough: these tests are about mechanics)."""
+    d = tmp_path_factory.mktemp("run")
+    cfg = load("cpu-tiny", ["train.steps=6", "train.eval_chunks=2", "train.checkpoint_every=6",
+                            "model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "data.context=48"])
+    train(cfg, d, progress=False)
+    return d
+
+
+def _halting_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = ByteModel(small(max_rows=4, **kw), context=24).double().eval()
+    with torch.no_grad():  # spread halting over rows, so caches must handle halted characters
+        model.halt.bias.fill_(0.0)
+        model.halt.weight.normal_(std=2.0)
+    return model
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_incremental_equals_full_forward(adaptive):
+    model = _halting_model(adaptive_rows=adaptive)
+    idx = torch.randint(0, 256, (1, 24))
+    full = model.score(idx)
+    cache = model.new_cache()
+    rows = []
+    for t in range(24):
+        out = model.step(idx[:, t:t + 1], cache)
+        rows.append(float(out.rows_used))
+        assert_close(torch.log_softmax(out.logits[0, 0].double(), -1), full[0, t].double(), torch.float32,
+                     msg=f"position {t}")
+    if adaptive:
+        assert min(rows) < max(rows)  # characters really halted at different rows
+
+
+def test_writing_reads_only_top_k_experts_per_row(monkeypatch):
+    model = _halting_model(n_pool=8, n_slots=8, top_k=2)
+    touched = []
+    table = ops.best(torch.device("cpu"))
+    real = table.grouped_mm
+
+    def spy(a, b, slot_ids, slot_rows):
+        touched.append(slot_ids.numel())
+        return real(a, b, slot_ids, slot_rows)
+
+    monkeypatch.setattr(table, "grouped_mm", spy)
+    monkeypatch.setattr(ops, "best", lambda device: table)
+    monkeypatch.setattr(ops, "compiled", lambda: table)
+    monkeypatch.setattr(ops, "REFERENCE", table)
+    cache = model.new_cache()
+    out = model.step(torch.tensor([[65]]), cache)
+    assert touched and all(n == 2 for n in touched)          # two GEMMs per row, each over top_k slots
+    assert len(touched) == 2 * int(out.rows_used.sum())
+
+
+def test_writing_is_deterministic_under_a_seed(run_dir):
+    model, cfg = load_model(run_dir)
+    a = write(model, b"def ", 40, seed=3)
+    b = write(model, b"def ", 40, seed=3)
+    c = write(model, b"def ", 40, seed=4)
+    assert a.text == b.text and len(a.text) == 40 and a.text != c.text
+
+
+def test_prompts_are_cut_from_the_left_and_empty_starts_from_newline():
+    notes = []
+    assert prepare_prompt("", 8) == b"\n"
+    assert prepare_prompt("abcdefghij", 8, notice=notes.append) == b"cdefghij" and "last 8" in notes[0]
+
+
+def test_write_command(run_dir):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "write", str(run_dir), "--prompt", "import ",
+                        "--chars", "30", "--seed", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("import ") and "char/s" in r.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("cmd", [["write"], ["eval", "--data", "README.md"]])
+def test_missing_or_corrupt_checkpoint(tmp_path, cmd):
+    args = [sys.executable, str(ROOT / "train.py"), cmd[0], str(tmp_path), *cmd[1:]]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "no checkpoint at" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "cannot be read" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_matches_a_direct_computation():
+    model = _halting_model()
+    data = torch.randint(0, 256, (70,))
+    got = bits_per_char(model, data, context=24, batch=3)
+    # Direct: byte i predicted from up to 24 bytes before it (a newline before the first byte),
+    # with the same half-context windows: recompute each byte's window by hand.
+    seq = torch.cat([torch.tensor([10]), data])
+    total = 0.0
+    for i in range(70):
+        start = 0 if i < 24 else ((i - 24) // 12 + 1) * 12
+        window = seq[start:i + 1]
+        logp = model.score(window.unsqueeze(0))[0, -1]
+        total -= float(logp[seq[i + 1]])
+    assert math.isclose(got, total / 70 / math.log(2), rel_tol=1e-5)
+
+
+def test_eval_command(run_dir, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("def f(x):\n    return x\n" * 10)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "eval", str(run_dir), "--data", str(f)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert 0 < float(r.stdout.strip().splitlines()[-1]) < 16
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "eval", str(run_dir), "--data", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no such file or folder" in r.stderr
+
+
+def test_plot_writes_a_png(run_dir):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed: the plot is an optional extra")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "plot", str(run_dir)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (run_dir / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(run_dir):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from minagi.cli import main; sys.exit(main(['plot', sys.argv[1]]))")
+    r = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "pip install matplotlib" in r.stderr

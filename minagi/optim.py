@@ -27,31 +27,54 @@ class PoolAdamW(torch.optim.Optimizer):
         c2 = 1 - b2 ** step
         p.sub_(lr * (m / c1) / ((v / c2).sqrt() + eps))
 
+    @staticmethod
+    def _foreach_update(params, grads, ms, vs, step, lr, b1, b2, eps, wd):
+        """AdamW over a list of whole tensors sharing one step count, in a few fused kernels."""
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_lerp_(ms, grads, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+        c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, c2 ** 0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, ms, denom, value=-lr / c1)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            rows = None
-            if group["pool"] and self.pool_module.last_admitted is not None:
-                rows = self.pool_module.last_admitted
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            hyper = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+            live = [p for p in group["params"] if p.grad is not None]
+            for p in live:
                 st = self.state[p]
                 if not st:
                     st["exp_avg"] = torch.zeros_like(p)
                     st["exp_avg_sq"] = torch.zeros_like(p)
                     st["step"] = torch.zeros(p.shape[0] if group["pool"] else (), dtype=torch.float64, device=p.device)
-                if rows is None or rows.numel() == p.shape[0]:
-                    st["step"] += 1
-                    step = st["step"].view(-1, *([1] * (p.dim() - 1))).to(p.dtype) if group["pool"] else float(st["step"])
-                    self._update(p, p.grad, st["exp_avg"], st["exp_avg_sq"], step, lr, b1, b2, eps, wd)
-                    continue
-                r = rows.to(p.device)
-                st["step"][r] += 1
-                step = st["step"][r].view(-1, *([1] * (p.dim() - 1))).to(p.dtype)
-                sub_p, m, v = p[r], st["exp_avg"][r], st["exp_avg_sq"][r]
-                self._update(sub_p, p.grad[r], m, v, step, lr, b1, b2, eps, wd)
-                p[r], st["exp_avg"][r], st["exp_avg_sq"][r] = sub_p, m, v
+            if group["pool"]:
+                self._pool_step(live, *hyper)
+            elif live:
+                for p in live:
+                    self.state[p]["step"] += 1
+                step = float(self.state[live[0]]["step"])
+                self._foreach_update(live, [p.grad for p in live], [self.state[p]["exp_avg"] for p in live],
+                                     [self.state[p]["exp_avg_sq"] for p in live], step, *hyper)
         return loss
+
+    def _pool_step(self, params, lr, b1, b2, eps, wd):
+        """Per expert (row): only the admitted rows move, each with its own step count."""
+        admitted = self.pool_module.last_admitted
+        for p in params:
+            st = self.state[p]
+            whole = admitted is None or admitted.numel() == p.shape[0]
+            r = slice(None) if whole else admitted.to(p.device)
+            st["step"][r] += 1
+            step = st["step"][r].view(-1, *([1] * (p.dim() - 1))).to(p.dtype)
+            if whole:
+                self._update(p, p.grad, st["exp_avg"], st["exp_avg_sq"], step, lr, b1, b2, eps, wd)
+                continue
+            sub_p, m, v = p[r], st["exp_avg"][r], st["exp_avg_sq"][r]
+            self._update(sub_p, p.grad[r], m, v, step, lr, b1, b2, eps, wd)
+            p[r], st["exp_avg"][r], st["exp_avg_sq"][r] = sub_p, m, v

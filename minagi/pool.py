@@ -45,6 +45,8 @@ class PooledMLP(nn.Module):
         self.d_model, self.d_hidden, self.n_slots = d_model, d_hidden, n_slots
         self.top_k, self.capacity_factor, self.path = top_k, capacity_factor, path
         self.last_stats = None
+        # Benchmarks set this to impose a routing shape: fn(x_ND, n_slots, top_k) -> (slot_idx, gates).
+        self.force_routing = None
         if own_card:  # else every forward is handed its card (the model's pool admits one)
             self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
                 n_slots, d_model, d_hidden, device=device, dtype=dtype))
@@ -55,6 +57,9 @@ class PooledMLP(nn.Module):
         return Card(self.router, self.w_in, self.w_out)
 
     def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor):
+        if self.force_routing is not None:
+            slot_idx_NK, gates_NK = self.force_routing(x_ND, router_SD.shape[0], self.top_k)
+            return slot_idx_NK, gates_NK, None
         logits_NS = x_ND @ router_SD.t()
         return _ops.best(x_ND.device).routing(logits_NS, self.top_k)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import dispatch
+from . import dispatch, quality, speed
 
-BENCHES = {"dispatch": dispatch}
+BENCHES = {"dispatch": dispatch.main, "quality": quality.main, "train": speed.main_train, "write": speed.main_write}
 
 
 def main(argv=None) -> int:
@@ -15,7 +15,7 @@ def main(argv=None) -> int:
         parser = argparse.ArgumentParser(prog="python -m minagi.bench")
         parser.add_argument("benchmark", choices=sorted(BENCHES))
         parser.parse_args(argv[:1])
-    return BENCHES[argv[0]].main(argv[1:])
+    return BENCHES[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

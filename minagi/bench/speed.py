@@ -1,0 +1,101 @@
+"""python -m minagi.bench train --profile P | write DIR: char/s with grouped against rectangle
+dispatch in one run, on the same weights, with the model's own routing and with routing forced
+into the seed's sink shape (one slot chosen by 94% of characters, the rest spread evenly).
+Targets under sink routing: training >= 2x the rectangle's char/s (the seed got 1.7x), writing
+>= 10x (the seed got 3.7x)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ..config import load
+from ..pool import PooledMLP
+from ..trainer import build
+from ..writer import load_model, write
+from .routings import sink_routing
+
+SINK_SHARE = 1960 / 2081  # the seed's sink: 1,960 of 2,081 characters at a typical row
+
+
+def sink_router(x_ND, n_slots, top_k):
+    N = x_ND.shape[0]
+    idx = sink_routing(N, n_slots, top_k, round(SINK_SHARE * N)).to(x_ND.device)
+    return idx, torch.full((N, top_k), 1.0 / top_k, dtype=x_ND.dtype, device=x_ND.device)
+
+
+def _modes(model, fn, reps):
+    """Median seconds of fn() for each (dispatch, routing), interleaved, after a warm-up each."""
+    times = {}
+    for _ in range(reps):
+        for routing in ("model", "sink"):
+            for grouped in (True, False):
+                model.mlp.force_routing = sink_router if routing == "sink" else None
+                PooledMLP.grouped_dispatch = grouped
+                fn()  # untimed: the allocator state of this mode, not the last one's
+                t0 = time.perf_counter()
+                fn()
+                times.setdefault((routing, "grouped" if grouped else "rectangle"), []).append(time.perf_counter() - t0)
+    PooledMLP.grouped_dispatch = True
+    model.mlp.force_routing = None
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _report(what, chars, times, target):
+    print(f"\n{what}: char/s (median), grouped vs rectangle dispatch")
+    print(f"{'routing':<10}{'grouped':>12}{'rectangle':>12}{'ratio':>8}")
+    ratios = {}
+    for routing in ("model", "sink"):
+        g, r = chars / times[(routing, "grouped")], chars / times[(routing, "rectangle")]
+        ratios[routing] = g / r
+        print(f"{routing:<10}{g:>12,.1f}{r:>12,.1f}{g / r:>8.2f}")
+    print(f"target under sink routing: >= {target}x: {ratios['sink']:.2f}x, {'met' if ratios['sink'] >= target else 'NOT MET'}")
+    return ratios
+
+
+def main_train(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minagi.bench train", description=__doc__)
+    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--steps", type=int, default=3, help="training steps per timed sample")
+    p.add_argument("--reps", type=int, default=3)
+    a = p.parse_args(argv)
+    cfg = load(a.profile, a.overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, opt, _ = build(cfg, device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (cfg.train.batch, cfg.data.context), generator=g).to(device)
+    y = torch.randint(0, 256, (cfg.train.batch, cfg.data.context), generator=g).to(device)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fn():
+        model.load_state_dict(state)  # the same weights for every mode
+        for _ in range(a.steps):
+            model(x, y).loss.backward()
+            opt.zero_grad(set_to_none=True)  # no optimizer step: the weights stay the same
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    print(f"minagi.bench train: profile {cfg.profile}, {device}, batch {cfg.train.batch} x context "
+          f"{cfg.data.context}, {cfg.model.n_slots} slots, top_k {cfg.model.top_k}, {a.steps} steps per sample")
+    _report("training (forward + backward)", a.steps * x.numel(), _modes(model, fn, a.reps), 2.0)
+    return 0
+
+
+def main_write(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minagi.bench write", description=__doc__)
+    p.add_argument("run", metavar="DIR")
+    p.add_argument("--chars", type=int, default=200)
+    p.add_argument("--reps", type=int, default=3)
+    a = p.parse_args(argv)
+    model, cfg = load_model(a.run)
+
+    def fn():
+        write(model, b"\n", a.chars, seed=0)
+
+    print(f"minagi.bench write: {a.run}, {cfg.model.n_slots} slots, top_k {cfg.model.top_k}, "
+          f"{cfg.model.max_rows} rows, {a.chars} chars per sample")
+    _report("writing", a.chars, _modes(model, fn, a.reps), 10.0)
+    return 0

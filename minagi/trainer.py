@@ -144,6 +144,8 @@ class Progress:
                   file=sys.stderr, flush=True)
 
     def write(self, msg: str) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.write(msg, file=sys.stderr)
         else:

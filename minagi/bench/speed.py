@@ -27,7 +27,7 @@ def sink_router(x_ND, n_slots, top_k):
 
 
 def _modes(model, fn, reps):
-    """Median seconds of fn() for each (dispatch, routing), interleaved, after a warm-up each."""
+    """Median of fn()'s seconds for each (dispatch, routing), interleaved, after a warm-up each."""
     times = {}
     for _ in range(reps):
         for routing in ("model", "sink"):
@@ -35,9 +35,7 @@ def _modes(model, fn, reps):
                 model.mlp.force_routing = sink_router if routing == "sink" else None
                 PooledMLP.grouped_dispatch = grouped
                 fn()  # untimed: the allocator state of this mode, not the last one's
-                t0 = time.perf_counter()
-                fn()
-                times.setdefault((routing, "grouped" if grouped else "rectangle"), []).append(time.perf_counter() - t0)
+                times.setdefault((routing, "grouped" if grouped else "rectangle"), []).append(fn())
     PooledMLP.grouped_dispatch = True
     model.mlp.force_routing = None
     return {k: statistics.median(v) for k, v in times.items()}
@@ -72,11 +70,13 @@ def main_train(argv=None) -> int:
 
     def fn():
         model.load_state_dict(state)  # the same weights for every mode
+        t0 = time.perf_counter()
         for _ in range(a.steps):
             model(x, y).loss.backward()
             opt.zero_grad(set_to_none=True)  # no optimizer step: the weights stay the same
         if device.type == "cuda":
             torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     print(f"minagi.bench train: profile {cfg.profile}, {device}, batch {cfg.train.batch} x context "
           f"{cfg.data.context}, {cfg.model.n_slots} slots, top_k {cfg.model.top_k}, {a.steps} steps per sample")
@@ -92,8 +92,8 @@ def main_write(argv=None) -> int:
     a = p.parse_args(argv)
     model, cfg = load_model(a.run)
 
-    def fn():
-        write(model, b"\n", a.chars, seed=0)
+    def fn():  # the written characters only: a stream's first character admits its card
+        return write(model, b"\n", a.chars, seed=0).seconds
 
     print(f"minagi.bench write: {a.run}, {cfg.model.n_slots} slots, top_k {cfg.model.top_k}, "
           f"{cfg.model.max_rows} rows, {a.chars} chars per sample")

@@ -147,3 +147,10 @@ def test_plot_without_matplotlib_says_how_to_get_it(run_dir):
             "from minagi.cli import main; sys.exit(main(['plot', sys.argv[1]]))")
     r = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "pip install matplotlib" in r.stderr
+
+
+def test_bench_write_command(run_dir):
+    r = subprocess.run([sys.executable, "-m", "minagi.bench", "write", str(run_dir), "--chars", "5", "--reps", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "writing: char/s" in r.stdout and "target under sink routing" in r.stdout

@@ -119,16 +119,21 @@ class ByteModel(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def _mlp(self, x_BTD, card, active_BT, stats):
-        """The pooled MLP on the active characters only; halted ones get no update."""
+        """The pooled MLP on the active characters only; halted ones get no update. Dispatch
+        statistics are appended to `stats` unless it is None (decoding skips their host syncs)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
+        want = stats is not None
         if active_BT is None or bool(active_BT.all()):
-            y_ND, st = self.mlp(x_ND, card=card, return_stats=True)
-            stats.append(st)
+            y_ND, st = self.mlp(x_ND, card=card, return_stats=True) if want else (self.mlp(x_ND, card=card), None)
+            if want:
+                stats.append(st)
             return y_ND.view(B, T, D)
         sel = active_BT.reshape(-1).nonzero().squeeze(1)
-        y_sel, st = self.mlp(x_ND.index_select(0, sel), card=card, return_stats=True)
-        stats.append(st)
+        x_sel = x_ND.index_select(0, sel)
+        y_sel, st = self.mlp(x_sel, card=card, return_stats=True) if want else (self.mlp(x_sel, card=card), None)
+        if want:
+            stats.append(st)
         return torch.zeros_like(x_ND).index_copy(0, sel, y_sel.to(x_ND.dtype)).view(B, T, D)
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
@@ -218,6 +223,7 @@ class RowCache:
         self.pos = 0  # absolute position of the next character
         self.window = model.context
         self.card = None  # the card admitted for this stream (from its first characters)
+        self.track_stats = False  # per-row DispatchStats in step()'s output (costs host syncs)
 
     def append(self, r: int, k, v) -> None:
         self.k[r] = k if self.k[r] is None else torch.cat([self.k[r], k], dim=2)[:, :, -self.window:]
@@ -247,7 +253,8 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
             continue  # halted: only this row's keys and values, from the frozen state
         y = F.scaled_dot_product_attention(q, cache.k[r], cache.v[r])  # every cached position is earlier
         a = u + attn.proj(y.transpose(1, 2).reshape(B, 1, D))
-        new = a + model._mlp(model.norm_mlp(a), cache.card, active if cfg.adaptive_rows else None, stats)
+        new = a + model._mlp(model.norm_mlp(a), cache.card, active if cfg.adaptive_rows else None,
+                             stats if cache.track_stats else None)
         rows_used = rows_used + active.float()
         if not cfg.adaptive_rows:
             h = new

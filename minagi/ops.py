@@ -150,9 +150,15 @@ def compiled() -> types.SimpleNamespace:
 REFERENCE = types.SimpleNamespace(**{name: getattr(reference, name) for name in _backend.OP_NAMES})
 
 
+_SUPPORTS: dict[str, bool] = {}
+
+
 def supports(device: torch.device) -> bool:
-    """Whether every compiled op has a kernel for this device."""
-    return all(_backend.has_kernel(name, device.type) for name in _backend.OP_NAMES)
+    """Whether every compiled op has a kernel for this device (asked once per device type: the
+    registrations do not change, and decoding asks on every row)."""
+    if device.type not in _SUPPORTS:
+        _SUPPORTS[device.type] = all(_backend.has_kernel(name, device.type) for name in _backend.OP_NAMES)
+    return _SUPPORTS[device.type]
 
 
 def best(device: torch.device) -> types.SimpleNamespace:

@@ -71,9 +71,10 @@ class PooledMLP(nn.Module):
         router_SD, w_in_SDH, w_out_SHD = (t.to(x_ND.dtype) for t in (router_SD, w_in_SDH, w_out_SHD))
         slot_idx_NK, gates_NK, _ = self.route(x_ND, router_SD)
         path = self.path if type(self).grouped_dispatch else "rectangle"
-        y_ND, stats = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
-                                 capacity_factor=self.capacity_factor, return_stats=True)
-        self.last_stats = stats
+        result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
+                            capacity_factor=self.capacity_factor, return_stats=return_stats)
+        y_ND, stats = result if return_stats else (result, None)
+        self.last_stats = stats  # None unless asked for: the statistics cost host syncs
         y = y_ND.view(x.shape)
         return (y, stats) if return_stats else y
 

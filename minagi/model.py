@@ -136,6 +136,19 @@ class ByteModel(nn.Module):
             stats.append(st)
         return torch.zeros_like(x_ND).index_copy(0, sel, y_sel.to(x_ND.dtype)).view(B, T, D)
 
+    def _halt(self, h, r, active, cum, out, remainder):
+        """One ACT row: the halting probability of the row's state; characters whose sum would
+        pass 1 - epsilon (or that reach the last row) stop, weighted by what remains of 1; the
+        others add their state weighted by p. Returns (active, cum, out, remainder)."""
+        p = torch.sigmoid(self.halt(h).squeeze(-1).float())
+        stop = active & ((cum + p > 1 - self.cfg.halt_epsilon) | (r == self.cfg.max_rows - 1))
+        go_on = active & ~stop
+        w = torch.where(stop, 1 - cum, torch.where(go_on, p, torch.zeros_like(p)))
+        out = out + w.unsqueeze(-1).to(h.dtype) * h
+        remainder = torch.where(stop, 1 - cum, remainder)
+        cum = cum + torch.where(go_on, p, torch.zeros_like(p))
+        return go_on, cum, out, remainder
+
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
         cfg = self.cfg
         B, T = idx_BT.shape
@@ -161,14 +174,7 @@ class ByteModel(nn.Module):
                 h = new
                 continue
             h = torch.where(active.unsqueeze(-1), new, h)  # a halted character keeps its state
-            p = torch.sigmoid(self.halt(h).squeeze(-1).float())
-            stop = active & ((cum + p > 1 - cfg.halt_epsilon) | (r == cfg.max_rows - 1))
-            go_on = active & ~stop
-            w = torch.where(stop, 1 - cum, torch.where(go_on, p, torch.zeros_like(p)))
-            out = out + w.unsqueeze(-1).to(h.dtype) * h
-            remainder = torch.where(stop, 1 - cum, remainder)
-            cum = cum + torch.where(go_on, p, torch.zeros_like(p))
-            active = go_on
+            active, cum, out, remainder = self._halt(h, r, active, cum, out, remainder)
             if not bool(active.any()):
                 break
         final = out if adaptive else h
@@ -260,13 +266,7 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
             h = new
             continue
         h = torch.where(active.unsqueeze(-1), new, h)
-        p = torch.sigmoid(model.halt(h).squeeze(-1).float())
-        stop = active & ((cum + p > 1 - cfg.halt_epsilon) | (r == cfg.max_rows - 1))
-        go_on = active & ~stop
-        w = torch.where(stop, 1 - cum, torch.where(go_on, p, torch.zeros_like(p)))
-        out = out + w.unsqueeze(-1).to(h.dtype) * h
-        cum = cum + torch.where(go_on, p, torch.zeros_like(p))
-        active = go_on
+        active, cum, out, _ = model._halt(h, r, active, cum, out, cum)
     cache.pos += 1
     final = out if cfg.adaptive_rows else h
     return ModelOutput(logits=model.head(model.norm_out(final)), rows_used=rows_used, dispatch=stats)

@@ -151,3 +151,13 @@ def test_profiles_load_and_say_what_they_are_for():
     assert large.n_pool - large.n_slots < large.n_slots // 10  # nearly the whole pool on the card
     with pytest.raises(ConfigError):
         load("cpu-tiny", ["train.lr=-1"])
+
+
+def test_pool_in_host_memory_trains(tmp_path, text_file):
+    # model.pool_device keeps the pool where the profile says (host memory on a GPU machine);
+    # here both are the CPU, so this checks the plumbing: build, a step, a checkpoint, a resume.
+    cfg = load("cpu-tiny", [*TINY, "model.pool_device=cpu", "train.steps=3", "train.checkpoint_every=3",
+                            f"data.path={text_file}"])
+    train(cfg, tmp_path, progress=False)
+    ckpt = checkpoint.load(tmp_path)
+    assert ckpt["config"]["model"]["pool_device"] == "cpu" and ckpt["model"]["pool.w_in"].device.type == "cpu"

@@ -57,6 +57,8 @@ TORCH_LIBRARY(minagi, m) {
   //   slot_rows [A]: buffer rows of each (bucket(load) when bucketed, else load; runs of equal
   //   values are the groups); row_pair [E]: flat pair n * k + j of every buffer row (-1 =
   //   padding); dest [N, k]: buffer row of every pair (-1 = dropped).
+  // For GPU inputs slot_rows comes back on the CPU: the grouped GEMM sizes its batched matmuls
+  // from it, and that one device-to-host copy is the plan's only synchronisation.
   m.def(
       "group_plan(Tensor slot_idx, int n_slots, int capacity, bool bucketed) -> "
       "(Tensor load, Tensor slot_order, Tensor slot_rows, Tensor row_pair, Tensor dest)");
@@ -67,6 +69,7 @@ TORCH_LIBRARY(minagi, m) {
   // out[n, j] = <a[n], rows[dest[n, j]]>, 0 for dropped pairs: the gates' gradient of both above.
   m.def("gate_grad(Tensor a, Tensor rows, Tensor dest, Tensor row_pair) -> Tensor");
   // a [E, K] in consecutive row ranges of slot_rows [A]; range i times b[slot_ids[i]] ([S, K, M]).
+  // slot_rows is read on the host (a GPU slot_rows is copied there first).
   m.def("grouped_mm(Tensor a, Tensor b, Tensor slot_ids, Tensor slot_rows) -> Tensor");
   // The weight gradient of grouped_mm: out[slot_ids[i]] = a_i^T @ grad_i, [n_slots, K, M], zero
   // for slots not in slot_ids.

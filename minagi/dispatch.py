@@ -11,6 +11,10 @@ Paths:
              row range is multiplied (no padding); on a GPU the bucketed plan is used.
   auto       compiled when the extension has kernels for the input's device, else grouped.
 
+A handful of characters (writing: one per stream) skips the plan on the grouped and compiled
+paths: each (character, k) pair is a one-row range of its slot, so only the top_k slots' weights
+are read and nothing synchronises.
+
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """
 from __future__ import annotations
@@ -88,7 +92,8 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out) -> None:
     for name, t in (("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
         if t.device != x.device:
             fail(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
-    if slot_idx.numel():
+    # On a GPU this check would synchronise; there the kernels and index ops assert on the device.
+    if slot_idx.numel() and slot_idx.device.type == "cpu":
         lo, hi = int(slot_idx.min()), int(slot_idx.max())
         if lo < 0 or hi >= S:
             fail(f"slot_idx holds {lo if lo < 0 else hi}, outside [0, S = {S})")
@@ -121,6 +126,37 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
     out_ED = ops.grouped_mm(h_EH, w_out_SHD, order_A, rows_A)
     y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
     return y_ND, load_S, row_pair_E.shape[0], rows_A
+
+
+# Up to this many characters go through the decode path (no plan): writing's one character per
+# stream, or a handful of streams.
+DECODE_MAX_CHARS = 4
+
+
+def _use_decode(N, cap, tensors) -> bool:
+    """The decode path's conditions: a handful of characters; no capacity drop (one character
+    never gives a slot two pairs, so a cap cannot bite); and, where a gradient is wanted, one
+    character, whose pairs have distinct slots (the weight gradient takes each slot once)."""
+    if not 0 < N <= DECODE_MAX_CHARS or (cap and N > 1):
+        return False
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return N == 1 or not wants_grad
+
+
+def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD):
+    """A handful of characters without a plan: every (character, k) pair is its own one-row
+    range, multiplied by its slot's weights (so only the routed slots' weights are read), and the
+    same gather and deterministic gated combine as the grouped path. The trivial plan is built
+    on the host, so nothing synchronises."""
+    N, K = slot_idx_NK.shape
+    dev = x_ND.device
+    ids_R = slot_idx_NK.reshape(-1)
+    rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
+    pair_R = torch.arange(N * K, device=dev)
+    x_RD = ops.bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
+    h_RH = F.gelu(ops.grouped_mm(x_RD, w_in_SDH, ids_R, rows_R))
+    out_RD = ops.grouped_mm(h_RH, w_out_SHD, ids_R, rows_R)
+    return ops.weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK), rows_R
 
 
 def resolve_path(path: str, device: torch.device) -> str:
@@ -159,7 +195,11 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
         if bucketed is None:
             bucketed = path == "grouped" or x.device.type != "cpu"
-        y, load_S, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed)
+        if _use_decode(N, cap, (x, gates, w_in, w_out)):
+            y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out)
+            load_S, executed = None, N * K  # nothing dropped, nothing padded
+        else:
+            y, load_S, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed)
         groups = len(reference.groups(rows_A)) if return_stats else 0
     if not return_stats:
         return y
@@ -167,7 +207,7 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_
     max_load = int(torch.bincount(slot_idx.reshape(-1), minlength=S).max()) if N else 0
     stats = DispatchStats(
         routed_pairs=routed,
-        dropped_pairs=routed - int(load_S.sum()),
+        dropped_pairs=routed - int(load_S.sum()) if load_S is not None else 0,
         executed_rows=int(executed),
         groups=groups,
         max_load_ratio=max_load / (routed / S) if routed else 0.0,

@@ -219,9 +219,12 @@ class ByteModel(nn.Module):
 
 
 class RowCache:
-    """Per-row key/value caches for incremental decoding: keys [B, heads, t, hd] per row, a
-    sliding window of the model's context. A character that halts at row r keeps its state, so
-    its keys and values for every later row are computed then, from that frozen state."""
+    """Per-row key/value caches for incremental decoding: per row, a ring of the model's context
+    in positions ([B, heads, window, hd]), written in place, so a new character costs one row
+    write instead of a copy of the whole cache. Attention has no mask here (every cached position
+    is earlier) and rotary angles are absolute, so the ring's order does not matter. A character
+    that halts at row r keeps its state, so its keys and values for every later row are computed
+    then, from that frozen state."""
 
     def __init__(self, model: "ByteModel"):
         self.k = [None] * model.cfg.max_rows
@@ -232,8 +235,19 @@ class RowCache:
         self.track_stats = False  # per-row DispatchStats in step()'s output (costs host syncs)
 
     def append(self, r: int, k, v) -> None:
-        self.k[r] = k if self.k[r] is None else torch.cat([self.k[r], k], dim=2)[:, :, -self.window:]
-        self.v[r] = v if self.v[r] is None else torch.cat([self.v[r], v], dim=2)[:, :, -self.window:]
+        """Store row r's keys and values [B, heads, 1, hd] for the character at self.pos."""
+        if self.k[r] is None:
+            B, H, _, hd = k.shape
+            self.k[r] = k.new_empty(B, H, self.window, hd)
+            self.v[r] = v.new_empty(B, H, self.window, hd)
+        slot = self.pos % self.window
+        self.k[r][:, :, slot] = k[:, :, 0]
+        self.v[r][:, :, slot] = v[:, :, 0]
+
+    def keys_values(self, r: int):
+        """Row r's cached keys and values, the current character's included."""
+        n = min(self.pos + 1, self.window)
+        return self.k[r][:, :, :n], self.v[r][:, :, :n]
 
 
 def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> ModelOutput:
@@ -257,7 +271,7 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
         cache.append(r, k, v)
         if not bool(active.any()):
             continue  # halted: only this row's keys and values, from the frozen state
-        y = F.scaled_dot_product_attention(q, cache.k[r], cache.v[r])  # every cached position is earlier
+        y = F.scaled_dot_product_attention(q, *cache.keys_values(r))  # every cached position is earlier
         a = u + attn.proj(y.transpose(1, 2).reshape(B, 1, D))
         new = a + model._mlp(model.norm_mlp(a), cache.card, active if cfg.adaptive_rows else None,
                              stats if cache.track_stats else None)

@@ -32,7 +32,8 @@ def _fake_registrations(lib: str = "minagi") -> None:
         ctx = torch.library.get_ctx()
         A, E = ctx.new_dynamic_size(), ctx.new_dynamic_size()
         new = slot_idx.new_empty
-        return new(n_slots), new(A), new(A), new(E), new(slot_idx.shape)
+        # slot_rows is on the host for GPU inputs: the grouped GEMM's sizes, copied once.
+        return new(n_slots), new(A), new(A, device="cpu"), new(E), new(slot_idx.shape)
 
     @torch.library.register_fake(f"{lib}::bucketed_gather")
     def _(x, row_pair, dest, gates):

@@ -83,6 +83,9 @@ def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed:
     start_S[slot_order_A] = start_A
 
     dest_R = torch.where(kept_R, start_S[flat_R] + rank_R, -1)
+    # Like the compiled op, slot_rows lives on the host: the grouped GEMM sizes its matmuls from
+    # it, and this is the plan's one device-to-host copy.
+    slot_rows_A = slot_rows_A.cpu()
     E = int(slot_rows_A.sum())
     row_pair_E = torch.full((E,), -1, dtype=torch.long, device=dev)
     row_pair_E[dest_R[kept_R]] = torch.nonzero(kept_R).reshape(-1)

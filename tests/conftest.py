@@ -1,7 +1,10 @@
 import os
 
-import pytest
-import torch
+# cuBLAS refuses deterministic mode without a fixed workspace; set before any GPU work.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import minagi
 from minagi import ops
@@ -37,6 +40,28 @@ def assert_close(actual, expected, dtype=None, scale=1.0, msg=""):
                            f"{float(err[bad].max())} where the bound is {float(bound[bad].min())}")
 
 
+def _gpu_skip_reason() -> str:
+    """Why the GPU cases cannot run here ('' when they can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA or ROCm GPU visible to torch"
+    if not EXT:
+        return "compiled ops not loaded"
+    if not ops.supports(torch.device("cuda")):
+        return "minagi._C has no GPU kernels (built against a CPU torch, or with MINAGI_CPU_ONLY=1)"
+    return ""
+
+
+GPU_SKIP = _gpu_skip_reason()
+requires_gpu = pytest.mark.skipif(bool(GPU_SKIP), reason=f"GPU case: {GPU_SKIP}")
+# The compiled-against-twin tests run on every device; GPU cases skip visibly without a GPU.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=requires_gpu)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="session")
 def compiled():
     if not EXT:
@@ -51,4 +76,5 @@ def _seed():
 
 def pytest_report_header(config):
     return (f"minagi: extension {'loaded' if EXT else 'NOT loaded'}; torch {torch.__version__}; "
-            f"{torch.get_num_threads()} threads; MINAGI_DISABLE_EXT={os.environ.get('MINAGI_DISABLE_EXT', '')}")
+            f"{torch.get_num_threads()} threads; MINAGI_DISABLE_EXT={os.environ.get('MINAGI_DISABLE_EXT', '')}; "
+            f"GPU cases: {'run' if not GPU_SKIP else 'skipped (' + GPU_SKIP + ')'}")

@@ -8,7 +8,7 @@ from minagi import PooledMLP, expert_mlp
 from minagi.bench.routings import sink_routing
 
 from cases import CASES, make
-from conftest import EXT, assert_close
+from conftest import EXT, assert_close, requires_ext
 from oracle import expert_mlp_loop
 
 PATHS = ["grouped", "compiled"] if EXT else ["grouped"]
@@ -198,3 +198,78 @@ def test_pooled_mlp_router_gets_gradients():
 def test_pooled_mlp_rejects_bad_top_k():
     with pytest.raises(ValueError, match="top_k must be in \\[1, n_slots = 4\\]"):
         PooledMLP(8, 16, 4, 5)
+
+
+# ---------------------------------------------------------------- on every device
+
+@requires_ext
+@pytest.mark.parametrize("name", ["sink", "uniform", "one_char", "k_eq_S"])
+@pytest.mark.parametrize("cf", [0.0, 0.5])
+def test_compiled_path_on_device_matches_rectangle(device, name, cf):
+    slot_idx, leaves = make(name, torch.float32)
+    y_r, g_r, s_r = _run("rectangle", slot_idx, leaves, cf)
+    moved = [t.detach().to(device) for t in leaves]
+    y_c, g_c, s_c = _run("compiled", slot_idx.to(device), moved, cf)
+    assert_close(y_c.cpu(), y_r, msg="compiled output")
+    for what, a, b in zip(("x", "gates", "w_in", "w_out"), g_c, g_r):
+        assert_close(None if a is None else a.cpu(), b, torch.float32, scale=4, msg=f"grad of {what}")
+    assert s_c.dropped_pairs == s_r.dropped_pairs
+
+
+def _rel_err(got, want):
+    return float((got.double().cpu() - want).norm() / want.norm())
+
+
+@requires_ext
+@pytest.mark.parametrize("name", ["sink", "uniform"])
+def test_bfloat16_error_within_twice_the_pure_torch_error(device, name):
+    # Against a float64 reference, the compiled path in bfloat16 may lose at most twice what the
+    # pure-torch path loses in bfloat16: forward and the gradients.
+    slot_idx, leaves = make(name, torch.float64, D=64, H=128)
+    y64, g64, _ = _run("grouped", slot_idx, leaves)
+    low = [t.detach().to(device, torch.bfloat16) for t in leaves]
+    idx = slot_idx.to(device)
+    y_c, g_c, _ = _run("compiled", idx, low)
+    y_t, g_t, _ = _run("grouped", idx, low)
+    assert _rel_err(y_c, y64) <= 2 * _rel_err(y_t, y64), "forward"
+    for what, c, t, want in zip(("x", "gates", "w_in", "w_out"), g_c, g_t, g64):
+        assert _rel_err(c, want) <= 2 * _rel_err(t, want), f"grad of {what}"
+
+
+# ---------------------------------------------------------------- the decode path
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("N", [1, 3])
+def test_decode_path_skips_the_plan(monkeypatch, path, N):
+    # A handful of characters is one group of its top_k slots per character: no plan is built.
+    slot_idx, (x, gates, w_in, w_out) = make("uniform", torch.float64, requires_grad=False)
+    slot_idx, x, gates = slot_idx[:N], x[:N], gates[:N]
+    want = expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle")
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("the decode path built a plan")
+
+    monkeypatch.setattr(minagi.dispatch, "_grouped", no_plan)
+    with torch.no_grad():
+        got, stats = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, return_stats=True)
+    assert_close(got, want)
+    assert stats.executed_rows == N * slot_idx.shape[1] and stats.dropped_pairs == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_path_gives_way_where_it_would_be_wrong(monkeypatch, path):
+    # Capacity can drop pairs of several characters, and a weight gradient needs each slot once:
+    # those calls take the planned path, and still agree with the rectangle.
+    calls = []
+    real = minagi.dispatch._grouped
+    monkeypatch.setattr(minagi.dispatch, "_grouped", lambda *a: calls.append(1) or real(*a))
+    slot_idx = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    x, w_in, w_out = torch.randn(3, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
+        torch.randn(4, 12, 8, dtype=torch.float64)
+    leaves = [x, torch.softmax(torch.randn(3, 2, dtype=torch.float64), 1), w_in, w_out]
+    y_r, g_r, _ = _run("rectangle", slot_idx, leaves, cf=0.5)
+    y_p, g_p, stats = _run(path, slot_idx, leaves, cf=0.5)
+    assert calls and stats.dropped_pairs == 3  # slot 0 keeps 1 of 3, slot 1 keeps 1 of 2
+    assert_close(y_p, y_r)
+    for a, b in zip(g_p, g_r):
+        assert_close(a, b, scale=4)

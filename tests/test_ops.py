@@ -19,27 +19,32 @@ def _grads(out, inputs, seed=1):
         out = [o for o in out if o.is_floating_point()]
     else:
         out = [out]
-    gouts = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in out]
+    gouts = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device) for o in out]
     live = [t for t in inputs if t is not None and t.requires_grad]
     got = torch.autograd.grad(out, live, gouts, allow_unused=True)
     it = iter(got)
     return [next(it) if (t is not None and t.requires_grad) else None for t in inputs]
 
 
-def _leaf(t):
-    return t.detach().clone().requires_grad_(t.is_floating_point())
+def _leaf(t, device=None):
+    return t.detach().to(device or t.device).clone().requires_grad_(t.is_floating_point())
 
 
-def _compare(fn_c, fn_r, inputs, dtype, msg):
-    """Forward outputs and input gradients of the compiled op against the twin's."""
-    ic = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+def _cpu(t):
+    return None if t is None else t.cpu()
+
+
+def _compare(fn_c, fn_r, inputs, dtype, msg, device=torch.device("cpu")):
+    """Forward outputs and input gradients of the compiled op on `device` against the twin's on
+    the CPU (the oracle)."""
+    ic = [_leaf(t, device) if isinstance(t, torch.Tensor) else t for t in inputs]
     ir = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     oc, orf = fn_c(*ic), fn_r(*ir)
     for a, b in zip(oc if isinstance(oc, tuple) else (oc,), orf if isinstance(orf, tuple) else (orf,)):
         if a.is_floating_point():
-            assert_close(a, b, dtype, msg=f"{msg} forward")
+            assert_close(a.cpu(), b, dtype, msg=f"{msg} forward")
         else:
-            assert torch.equal(a, b), f"{msg} forward (indices)"
+            assert torch.equal(a.cpu(), b), f"{msg} forward (indices)"
     tc = [t for t in ic if isinstance(t, torch.Tensor)]
     tr = [t for t in ir if isinstance(t, torch.Tensor)]
     if not any(t.requires_grad for t in tc):
@@ -49,7 +54,7 @@ def _compare(fn_c, fn_r, inputs, dtype, msg):
         return
     for i, (gc, gr) in enumerate(zip(_grads(oc, tc), _grads(orf, tr))):
         if tc[i].requires_grad:
-            assert_close(gc, gr, dtype, scale=4, msg=f"{msg} grad of input {i}")
+            assert_close(_cpu(gc), gr, dtype, scale=4, msg=f"{msg} grad of input {i}")
 
 
 def _plan(slot_idx, S, cap=0, bucketed=True):
@@ -60,25 +65,25 @@ def _plan(slot_idx, S, cap=0, bucketed=True):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,S,K", [(1, 8, 3), (0, 8, 2), (40, 6, 1), (10, 4, 4), (15, 1, 1), (300, 128, 8)])
-def test_routing_matches_twin(compiled, dtype, N, S, K):
+def test_routing_matches_twin(compiled, device, dtype, N, S, K):
     # Rounded logits make ties; both must send a tie to the lower slot.
     logits = (torch.randn(N, S) * 2).round().to(dtype)
-    _compare(compiled.routing, REF.routing, [logits, K], dtype, "routing")
-    idx, _, load = compiled.routing(logits, K)
-    assert torch.equal(load, torch.bincount(idx.reshape(-1), minlength=S))
+    _compare(compiled.routing, REF.routing, [logits, K], dtype, "routing", device)
+    idx, _, load = compiled.routing(logits.to(device), K)
+    assert torch.equal(load.cpu(), torch.bincount(idx.reshape(-1).cpu(), minlength=S))
 
 
-def test_routing_ties_go_to_lower_slot(compiled):
-    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+def test_routing_ties_go_to_lower_slot(compiled, device):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], device=device)
     for impl in (compiled, REF):
         idx, gates, _ = impl.routing(logits, 2)
         assert idx.tolist() == [[1, 2]]
-        assert_close(gates, torch.tensor([[0.5, 0.5]]))
+        assert_close(gates.cpu(), torch.tensor([[0.5, 0.5]]))
 
 
-def test_routing_nan_logits_are_safe(compiled):
+def test_routing_nan_logits_are_safe(compiled, device):
     nan = float("nan")
-    logits = torch.tensor([[nan, 0.5, nan, 2.0], [nan, nan, nan, nan], [1.0, 2.0, 3.0, 4.0]])
+    logits = torch.tensor([[nan, 0.5, nan, 2.0], [nan, nan, nan, nan], [1.0, 2.0, 3.0, 4.0]], device=device)
     for impl in (compiled, REF):
         idx, gates, load = impl.routing(logits, 2)
         assert idx.tolist()[0] == [3, 1]          # NaN ranks below every number
@@ -86,23 +91,25 @@ def test_routing_nan_logits_are_safe(compiled):
         assert gates[1].isnan().all()             # and NaN gates, so the loss shows it
         assert not gates[0].isnan().any() and not gates[2].isnan().any()
         assert int(load.sum()) == 6
-    assert torch.equal(compiled.routing(logits, 2)[0], REF.routing(logits, 2)[0])
+    assert torch.equal(compiled.routing(logits, 2)[0].cpu(), REF.routing(logits.cpu(), 2)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_routing_backward_matches_twin(compiled, dtype):
+def test_routing_backward_matches_twin(compiled, device, dtype):
     gates = torch.softmax(torch.randn(30, 4, dtype=dtype), 1)
     grad = torch.randn(30, 4, dtype=dtype)
     idx = torch.randn(30, 9).topk(4, dim=1).indices
-    assert_close(compiled.routing_backward(grad, gates, idx, 9), REF.routing_backward(grad, gates, idx, 9), dtype)
+    got = compiled.routing_backward(grad.to(device), gates.to(device), idx.to(device), 9)
+    assert_close(got.cpu(), REF.routing_backward(grad, gates, idx, 9), dtype)
 
 
-def test_routing_bfloat16(compiled):
-    logits = torch.randn(50, 16).to(torch.bfloat16)
-    ic, gc, _ = compiled.routing(logits, 4)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_routing_half_precision(compiled, device, dtype):
+    logits = torch.randn(50, 16).to(dtype)
+    ic, gc, _ = compiled.routing(logits.to(device), 4)
     ir, gr, _ = REF.routing(logits, 4)
-    assert torch.equal(ic, ir)
-    assert_close(gc, gr, torch.bfloat16)
+    assert torch.equal(ic.cpu(), ir)
+    assert_close(gc.cpu(), gr, dtype)
 
 
 # ---------------------------------------------------------------- group_plan
@@ -110,25 +117,28 @@ def test_routing_bfloat16(compiled):
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("cap", [0, 1, 5])
 @pytest.mark.parametrize("bucketed", [True, False])
-def test_group_plan_matches_twin(compiled, name, cap, bucketed):
+def test_group_plan_matches_twin(compiled, device, name, cap, bucketed):
     N, S, K, build = CASES[name]
     slot_idx = build(N, S, K)
-    got = compiled.group_plan(slot_idx, S, cap, bucketed)
+    got = compiled.group_plan(slot_idx.to(device), S, cap, bucketed)
     want = REF.group_plan(slot_idx, S, cap, bucketed)
     for field, a, b in zip(("load", "slot_order", "slot_rows", "row_pair", "dest"), got, want):
-        assert torch.equal(a, b), f"{name}: {field} differs"
+        assert torch.equal(a.cpu(), b), f"{name}: {field} differs"
+    assert got[2].device.type == "cpu"  # slot_rows: the grouped GEMM's sizes, on the host
+    for field, t in zip(("load", "slot_order", "row_pair", "dest"), (got[0], got[1], got[3], got[4])):
+        assert t.device == device, f"{field} left the device"
 
 
-def test_sink_plan_splits_into_groups(compiled):
-    slot_idx = CASES["sink"][3](*CASES["sink"][:3])
+def test_sink_plan_splits_into_groups(compiled, device):
+    slot_idx = CASES["sink"][3](*CASES["sink"][:3]).to(device)
     load, order, rows, row_pair, dest = compiled.group_plan(slot_idx, 16, 0, True)
     assert len(reference.groups(rows)) >= 2
     assert int(order[-1]) == 0 and int(load[0]) == 282  # the sink, busiest, last
     assert int(rows[-1]) == reference.bucket(282) == 384
 
 
-def test_one_character_is_one_group(compiled):
-    slot_idx = torch.tensor([[5, 1, 7]])
+def test_one_character_is_one_group(compiled, device):
+    slot_idx = torch.tensor([[5, 1, 7]], device=device)
     load, order, rows, row_pair, dest = compiled.group_plan(slot_idx, 8, 0, True)
     assert reference.groups(rows) == [(3, 1)]
     assert sorted(order.tolist()) == [1, 5, 7]
@@ -148,15 +158,15 @@ def test_bucket(n, b):
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("cap", [0, 2])
 @pytest.mark.parametrize("with_gates", [False, True])
-def test_gather_scatter_match_twin(compiled, dtype, name, cap, with_gates):
+def test_gather_scatter_match_twin(compiled, device, dtype, name, cap, with_gates):
     slot_idx, (x, gates, _, _) = make(name, dtype)
     N, S, K, _ = CASES[name]
     _, _, _, row_pair, dest = _plan(slot_idx, S, cap)
     g = gates if with_gates else None
-    _compare(compiled.bucketed_gather, REF.bucketed_gather, [x, row_pair, dest, g], dtype, "gather")
+    _compare(compiled.bucketed_gather, REF.bucketed_gather, [x, row_pair, dest, g], dtype, "gather", device)
     rows = torch.randn(row_pair.shape[0], x.shape[1], dtype=dtype)
-    _compare(compiled.weighted_scatter, REF.weighted_scatter, [rows, dest, row_pair, g], dtype, "scatter")
-    _compare(compiled.gate_grad, REF.gate_grad, [x, rows, dest, row_pair], dtype, "gate_grad")
+    _compare(compiled.weighted_scatter, REF.weighted_scatter, [rows, dest, row_pair, g], dtype, "scatter", device)
+    _compare(compiled.gate_grad, REF.gate_grad, [x, rows, dest, row_pair], dtype, "gate_grad", device)
 
 
 def test_gather_and_scatter_are_each_others_backward(compiled):
@@ -169,11 +179,11 @@ def test_gather_and_scatter_are_each_others_backward(compiled):
     assert_close(lhs, rhs)
 
 
-def test_gather_zero_pads(compiled):
+def test_gather_zero_pads(compiled, device):
     slot_idx = torch.tensor([[0], [0], [1]])
     x = torch.arange(6.0).view(3, 2)
     _, _, rows, row_pair, dest = _plan(slot_idx, 2)
-    out = compiled.bucketed_gather(x, row_pair, dest, None)
+    out = compiled.bucketed_gather(x.to(device), row_pair.to(device), dest.to(device), None)
     assert rows.tolist() == [1, 2] and out.tolist() == [[4, 5], [0, 1], [2, 3]]
 
 
@@ -182,29 +192,82 @@ def test_gather_zero_pads(compiled):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("bucketed", [True, False])
-def test_grouped_mm_matches_twin(compiled, dtype, name, bucketed):
+def test_grouped_mm_matches_twin(compiled, device, dtype, name, bucketed):
     slot_idx, (_, _, w_in, _) = make(name, dtype)
     N, S, K, _ = CASES[name]
     _, order, rows, row_pair, _ = _plan(slot_idx, S, 0, bucketed)
     a = torch.randn(row_pair.shape[0], w_in.shape[1], dtype=dtype)
-    _compare(compiled.grouped_mm, REF.grouped_mm, [a, w_in, order, rows], dtype, "grouped_mm")
+    # slot_rows stays on the host, as group_plan returns it for every device
+    call = lambda a, b, o, r: compiled.grouped_mm(a, b, o, rows)  # noqa: E731
+    _compare(call, REF.grouped_mm, [a, w_in, order, rows], dtype, "grouped_mm", device)
     g = torch.randn(row_pair.shape[0], 5, dtype=dtype)
-    _compare(compiled.grouped_mm_wgrad, REF.grouped_mm_wgrad, [a, g, order, rows, S], dtype, "wgrad")
+    call = lambda a, g, o, r, S: compiled.grouped_mm_wgrad(a, g, o, rows, S)  # noqa: E731
+    _compare(call, REF.grouped_mm_wgrad, [a, g, order, rows, S], dtype, "wgrad", device)
 
 
-def test_grouped_mm_transposed_weights(compiled):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_grouped_mm_few_rows(compiled, device, rows, dtype):
+    # Writing puts one row in each of its top_k slots; the CPU streams such small ranges through
+    # its own loop instead of the BLAS. Widths that are not multiples of its unrolling or block.
+    ids = torch.tensor([3, 0, 3, 1])
+    slot_rows = torch.full((4,), rows)
+    a = torch.randn(4 * rows, 1030, dtype=torch.float64)
+    b = torch.randn(5, 1030, 1027, dtype=torch.float64) / 32
+    got = compiled.grouped_mm(a.to(device, dtype), b.to(device, dtype), ids.to(device), slot_rows)
+    assert_close(got.cpu(), REF.grouped_mm(a, b, ids, slot_rows), dtype, scale=4)
+
+
+def test_grouped_mm_transposed_weights(compiled, device):
     slot_idx = sink_routing(200, 8, 2, 190)
     _, order, rows, row_pair, _ = _plan(slot_idx, 8, 0, False)
     a = torch.randn(row_pair.shape[0], 6, dtype=torch.float64)
     b_t = torch.randn(8, 7, 6, dtype=torch.float64).transpose(1, 2)  # a strided view
-    assert_close(compiled.grouped_mm(a, b_t, order, rows), REF.grouped_mm(a, b_t, order, rows))
+    got = compiled.grouped_mm(a.to(device), b_t.to(device), order.to(device), rows)
+    assert_close(got.cpu(), REF.grouped_mm(a, b_t, order, rows))
 
 
-def test_grouped_mm_bfloat16(compiled):
-    slot_idx, (_, _, w_in, _) = make("sink", torch.bfloat16, requires_grad=False)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_mm_half_precision(compiled, device, dtype):
+    slot_idx, (_, _, w_in, _) = make("sink", dtype, requires_grad=False)
     _, order, rows, row_pair, _ = _plan(slot_idx, 16)
-    a = torch.randn(row_pair.shape[0], w_in.shape[1]).to(torch.bfloat16)
-    assert_close(compiled.grouped_mm(a, w_in, order, rows), REF.grouped_mm(a, w_in, order, rows), torch.bfloat16)
+    a = torch.randn(row_pair.shape[0], w_in.shape[1]).to(dtype)
+    got = compiled.grouped_mm(a.to(device), w_in.to(device), order.to(device), rows)
+    assert_close(got.cpu(), REF.grouped_mm(a, w_in, order, rows), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gather_scatter_half_precision(compiled, device, dtype):
+    slot_idx, (x, gates, _, _) = make("sink", dtype, requires_grad=False)
+    _, _, _, row_pair, dest = _plan(slot_idx, 16)
+    x, gates, row_pair, dest = (t.to(device) for t in (x, gates, row_pair, dest))
+    buf = compiled.bucketed_gather(x, row_pair, dest, gates)
+    assert_close(buf.cpu(), REF.bucketed_gather(x.cpu(), row_pair.cpu(), dest.cpu(), gates.cpu()), dtype)
+    y = compiled.weighted_scatter(buf, dest, row_pair, gates)
+    assert_close(y.cpu(), REF.weighted_scatter(buf.cpu(), dest.cpu(), row_pair.cpu(), gates.cpu()), dtype)
+
+
+def test_ops_are_deterministic(compiled, device):
+    # The combine has no atomics: the same inputs give the same bits, in deterministic mode too.
+    slot_idx, (x, gates, w_in, w_out) = make("sink", torch.float32, D=64, H=96, requires_grad=False)
+    x, gates, w_in, w_out, slot_idx = (t.to(device) for t in (x, gates, w_in, w_out, slot_idx))
+
+    def run():
+        plan = compiled.group_plan(slot_idx, 16, 0, True)
+        _, order, rows, row_pair, dest = plan
+        h = compiled.grouped_mm(compiled.bucketed_gather(x, row_pair, dest, None), w_in, order, rows)
+        y = compiled.weighted_scatter(compiled.grouped_mm(h, w_out, order, rows), dest, row_pair, gates)
+        return y, compiled.gate_grad(x, h[:, :64], dest, row_pair), compiled.grouped_mm_wgrad(h, h, order, rows, 16)
+
+    first = run()
+    prior = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            for a, b in zip(first, run()):
+                assert torch.equal(a, b)
+    finally:
+        torch.use_deterministic_algorithms(prior)
 
 
 def test_grouped_mm_splits_a_lone_slot_across_threads(compiled):
@@ -220,7 +283,7 @@ def test_grouped_mm_splits_a_lone_slot_across_threads(compiled):
 
 # ---------------------------------------------------------------- opcheck and gradcheck
 
-def _opcheck_samples():
+def _opcheck_samples(device):
     slot_idx, (x, gates, w_in, w_out) = make("sink", torch.float64)
     S = w_in.shape[0]
     _, order, rows, row_pair, dest = _plan(slot_idx, S)
@@ -228,7 +291,7 @@ def _opcheck_samples():
     a = torch.randn(row_pair.shape[0], w_in.shape[1], dtype=torch.float64, requires_grad=True)
     g = torch.randn(row_pair.shape[0], w_in.shape[2], dtype=torch.float64, requires_grad=True)
     logits = torch.randn(40, S, dtype=torch.float64, requires_grad=True)
-    return {
+    samples = {
         "routing": (logits, 4),
         "routing_backward": (torch.randn(40, 4, dtype=torch.float64), torch.rand(40, 4, dtype=torch.float64),
                              torch.randn(40, S).topk(4, 1).indices, S),
@@ -240,11 +303,16 @@ def _opcheck_samples():
         "grouped_mm_wgrad": (a, g, order, rows, S),
     }
 
+    def move(t):  # slot_rows (the last tensor of the GEMMs) stays on the host, as the plan gives it
+        return _leaf(t, device) if isinstance(t, torch.Tensor) and t is not rows else t
+
+    return {op: tuple(move(t) for t in args) for op, args in samples.items()}
+
 
 @pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "bucketed_gather",
                                 "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad"])
-def test_opcheck(compiled, op):
-    args = _opcheck_samples()[op]
+def test_opcheck(compiled, device, op):
+    args = _opcheck_samples(device)[op]
     # group_plan's output sizes depend on the data: no static-shape tracing for it. routing's
     # first output is int64, and opcheck's AOT harness sums every output into a tensor of the
     # first output's dtype in place, which fails before our op is looked at.
@@ -254,26 +322,28 @@ def test_opcheck(compiled, op):
     torch.library.opcheck(getattr(torch.ops.minagi, op), args, test_utils=utils)
 
 
-def test_opcheck_without_gates(compiled):
+def test_opcheck_without_gates(compiled, device):
     slot_idx, (x, _, _, _) = make("uniform", torch.float64)
     _, _, _, row_pair, dest = _plan(slot_idx, 16)
-    torch.library.opcheck(torch.ops.minagi.bucketed_gather, (x, row_pair, dest, None))
+    torch.library.opcheck(torch.ops.minagi.bucketed_gather, (x.to(device), row_pair.to(device), dest.to(device), None))
 
 
-def test_gradcheck(compiled):
+def test_gradcheck(compiled, device):
     slot_idx, (x, gates, w_in, w_out) = make("sink", torch.float64, D=3, H=4)
-    slot_idx, x, gates = slot_idx[:24], x[:24].detach().requires_grad_(), gates[:24].detach().requires_grad_()
+    slot_idx, x, gates = slot_idx[:24], _leaf(x[:24], device), _leaf(gates[:24], device)
+    w_in = _leaf(w_in, device)
     S = w_in.shape[0]
     _, order, rows, row_pair, dest = _plan(slot_idx, S)
-    buf = torch.randn(row_pair.shape[0], 3, dtype=torch.float64, requires_grad=True)
+    order, row_pair, dest = order.to(device), row_pair.to(device), dest.to(device)
+    buf = torch.randn(row_pair.shape[0], 3, dtype=torch.float64, device=device, requires_grad=True)
     check = torch.autograd.gradcheck
     assert check(lambda x, g: compiled.bucketed_gather(x, row_pair, dest, g), (x, gates))
     assert check(lambda r, g: compiled.weighted_scatter(r, dest, row_pair, g), (buf, gates))
     assert check(lambda a, r: compiled.gate_grad(a, r, dest, row_pair), (x, buf))
     assert check(lambda a, b: compiled.grouped_mm(a, b, order, rows), (buf, w_in))
-    g = torch.randn(row_pair.shape[0], 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(row_pair.shape[0], 4, dtype=torch.float64, device=device, requires_grad=True)
     assert check(lambda a, g: compiled.grouped_mm_wgrad(a, g, order, rows, S), (buf, g))
-    logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(6, 5, dtype=torch.float64, device=device, requires_grad=True)
     assert check(lambda l: compiled.routing(l, 3)[1], (logits,))
     # double backward through gather/scatter (their backwards are each other)
     assert torch.autograd.gradgradcheck(lambda x, g: compiled.bucketed_gather(x, row_pair, dest, g), (x, gates))

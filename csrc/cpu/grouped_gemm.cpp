@@ -101,6 +101,62 @@ void run_parts(const std::vector<Part>& parts, F&& fn) {
   });
 }
 
+// A range of at most kSmallRows rows times one slot's row-major weights, streaming the weights
+// once. Writing one character puts one row in each of its top_k slots, and there a BLAS call
+// (which packs or re-reads b) reached about half the memory bandwidth of a plain pass over b;
+// the weights' bytes are the whole cost of such a product.
+constexpr int64_t kSmallRows = 4;
+constexpr int64_t kSmallCols = 1024;  // the accumulators stay in L1
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+// Built for the baseline ISA (no -march=native); where the CPU has AVX2 + FMA, the loop below runs
+// from a clone compiled for them, picked at load time.
+#define MINAGI_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define MINAGI_SIMD_CLONES
+#endif
+
+template <typename scalar_t>
+MINAGI_SIMD_CLONES void small_rows_mm(const scalar_t* __restrict a, int64_t lda, const scalar_t* __restrict b,
+                                      int64_t ldb, scalar_t* __restrict out, int64_t ldo, int64_t nr, int64_t K,
+                                      int64_t M) {
+  using acc_t = at::opmath_type<scalar_t>;
+  alignas(64) acc_t y[kSmallRows][kSmallCols];
+  for (int64_t c0 = 0; c0 < M; c0 += kSmallCols) {
+    const int64_t nc = std::min(kSmallCols, M - c0);
+    for (int64_t r = 0; r < nr; ++r) std::fill(y[r], y[r] + nc, acc_t(0));
+    int64_t i = 0;
+    for (; i + 4 <= K; i += 4) {  // four rows of b per pass over the accumulators
+      const scalar_t* w0 = b + i * ldb + c0;
+      const scalar_t* w1 = w0 + ldb;
+      const scalar_t* w2 = w1 + ldb;
+      const scalar_t* w3 = w2 + ldb;
+      for (int64_t r = 0; r < nr; ++r) {
+        const scalar_t* x = a + r * lda + i;
+        const acc_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+        acc_t* __restrict yr = y[r];
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) {
+          yr[c] += x0 * static_cast<acc_t>(w0[c]) + x1 * static_cast<acc_t>(w1[c]) +
+                   x2 * static_cast<acc_t>(w2[c]) + x3 * static_cast<acc_t>(w3[c]);
+        }
+      }
+    }
+    for (; i < K; ++i) {
+      const scalar_t* w = b + i * ldb + c0;
+      for (int64_t r = 0; r < nr; ++r) {
+        const acc_t xi = a[r * lda + i];
+        acc_t* yr = y[r];
+        for (int64_t c = 0; c < nc; ++c) yr[c] += xi * static_cast<acc_t>(w[c]);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      scalar_t* o = out + r * ldo + c0;
+      for (int64_t c = 0; c < nc; ++c) o[c] = static_cast<scalar_t>(y[r][c]);
+    }
+  }
+}
+
 void check_operands(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name_b) {
   check_floating(a, op, "a");
   check_same_dtype(a, b, op, "a", name_b);
@@ -118,9 +174,19 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), op, false);
   at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
+  const int64_t K = a.size(1), M = b.size(2);
+  const bool row_major_b = b.stride(2) == 1;
   run_parts(parts, [&](const Part& p) {
     const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
     if (hi <= lo) return;
+    if (hi - lo <= kSmallRows && row_major_b) {
+      MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm", [&] {
+        small_rows_mm<scalar_t>(a.data_ptr<scalar_t>() + (p.r0 + lo) * K, K,
+                                b.data_ptr<scalar_t>() + p.slot * b.stride(0), b.stride(1),
+                                out.data_ptr<scalar_t>() + (p.r0 + lo) * M, M, hi - lo, K, M);
+      });
+      return;
+    }
     at::Tensor o = out.narrow(0, p.r0 + lo, hi - lo);
     at::cpu::mm_out(o, a.narrow(0, p.r0 + lo, hi - lo), b.select(0, p.slot));
   });

@@ -23,13 +23,21 @@ from ..dispatch import expert_mlp
 from ..reference import slot_ranks
 from .routings import random_gates, sink_routing, uniform_routing
 
-# Targets from the issue, for the compiled path at the sink routing on a CPU.
+# Targets from the issues, for the compiled path at the sink routing. On a CPU the compiled path
+# multiplies exact row ranges; on a GPU it runs the bucketed plan (bf16), whose padding bound is 2x.
 TARGETS = {
-    "executed_ratio_max": 1.15,
-    "vs_dense_min": 0.85,
-    "vs_grouped_mm_min": 1.2,
-    "vs_rectangle_min": 15.0,
-    "sink_over_uniform_max": 1.25,
+    "cpu": {
+        "executed_ratio_max": 1.15,
+        "vs_dense_min": 0.85,
+        "vs_grouped_mm_min": 1.2,
+        "vs_rectangle_min": 15.0,
+        "sink_over_uniform_max": 1.25,
+    },
+    "cuda": {
+        "executed_ratio_max": 2.0,
+        "vs_dense_min": 0.6,
+        "vs_grouped_mm_min": 1.0,
+    },
 }
 
 
@@ -103,12 +111,14 @@ def _dense(x, idx, w_in, w_out, grad_y):
     return run
 
 
-def _executed_ratio(name, idx, S, K):
+def _executed_ratio(name, idx, S, K, device):
     R = idx.numel()
     if name == "rectangle":
         return S * int(torch.bincount(idx.reshape(-1), minlength=S).max()) / R
     if name in ("grouped", "compiled"):
-        _, stats = expert_mlp(*_probe_args(idx, S), path=name, return_stats=True)
+        # The plan the path runs on this device: bucketed except the CPU's compiled path.
+        bucketed = name == "grouped" or device.type != "cpu"
+        _, stats = expert_mlp(*_probe_args(idx, S), path="grouped", bucketed=bucketed, return_stats=True)
         return stats.executed_rows / R
     return 1.0
 
@@ -152,7 +162,7 @@ def run(N=2081, S=128, K=8, D=256, H=512, sink_chars=1960, reps=5, dtype=torch.f
             ms = statistics.median(times[name])
             results[routing][name] = {
                 "ms": ms,
-                "executed_ratio": _executed_ratio(name, idx.cpu(), S, K),
+                "executed_ratio": _executed_ratio(name, idx.cpu(), S, K, device),
                 "gflops": flops / (ms * 1e-3) / 1e9,
                 "vs_dense": dense_ms / ms,
             }
@@ -171,27 +181,25 @@ def _table(routing, rows, idx, S):
     return "\n".join([head, *lines])
 
 
-def check_targets(results) -> list[tuple[str, float, str, bool]]:
+def check_targets(results, device_type: str = "cpu") -> list[tuple[str, float, str, bool]]:
     """(what, measured, target, met) for the compiled path at the sink routing."""
     sink, uni = results.get("sink", {}), results.get("uniform", {})
+    tg = TARGETS["cpu" if device_type == "cpu" else "cuda"]
     if "compiled" not in sink:
         return []
     c = sink["compiled"]
-    out = [("executed rows / routed", c["executed_ratio"], f"<= {TARGETS['executed_ratio_max']}",
-            c["executed_ratio"] <= TARGETS["executed_ratio_max"]),
-           ("throughput vs dense limit", c["vs_dense"], f">= {TARGETS['vs_dense_min']}",
-            c["vs_dense"] >= TARGETS["vs_dense_min"])]
+    out = [("executed rows / routed", c["executed_ratio"], f"<= {tg['executed_ratio_max']}",
+            c["executed_ratio"] <= tg["executed_ratio_max"]),
+           ("throughput vs dense limit", c["vs_dense"], f">= {tg['vs_dense_min']}", c["vs_dense"] >= tg["vs_dense_min"])]
     if "grouped_mm" in sink:
         r = sink["grouped_mm"]["ms"] / c["ms"]
-        out.append(("speed vs torch._grouped_mm", r, f">= {TARGETS['vs_grouped_mm_min']}",
-                    r >= TARGETS["vs_grouped_mm_min"]))
-    if "rectangle" in sink:
+        out.append(("speed vs torch._grouped_mm", r, f">= {tg['vs_grouped_mm_min']}", r >= tg["vs_grouped_mm_min"]))
+    if "rectangle" in sink and "vs_rectangle_min" in tg:
         r = sink["rectangle"]["ms"] / c["ms"]
-        out.append(("speed vs rectangle", r, f">= {TARGETS['vs_rectangle_min']}", r >= TARGETS["vs_rectangle_min"]))
-    if "compiled" in uni:
+        out.append(("speed vs rectangle", r, f">= {tg['vs_rectangle_min']}", r >= tg["vs_rectangle_min"]))
+    if "compiled" in uni and "sink_over_uniform_max" in tg:
         r = c["ms"] / uni["compiled"]["ms"]
-        out.append(("sink time / uniform time", r, f"<= {TARGETS['sink_over_uniform_max']}",
-                    r <= TARGETS["sink_over_uniform_max"]))
+        out.append(("sink time / uniform time", r, f"<= {tg['sink_over_uniform_max']}", r <= tg["sink_over_uniform_max"]))
     return out
 
 
@@ -217,7 +225,7 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads, extension {ext}; d={a.D} h={a.H}, median of {a.reps}")
     results = run(N=a.N, S=a.S, K=a.K, D=a.D, H=a.H, sink_chars=a.sink_chars, reps=a.reps, dtype=dtype,
                   device=device, methods=a.methods.split(",") if a.methods else None)
-    targets = check_targets(results)
+    targets = check_targets(results, torch.device(device).type)
     if targets:
         print("\ntargets (compiled path, sink routing):")
         for what, value, target, met in targets:

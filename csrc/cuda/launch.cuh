@@ -1,0 +1,60 @@
+// Shared pieces of the GPU kernels (CUDA dialect; torch hipifies them for ROCm).
+// No kernel here assumes a warp size: every reduction goes through shared memory with
+// __syncthreads, so the same code is right on wave32 (RDNA, NVIDIA) and wave64 (CDNA).
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common.h"
+
+namespace minagi {
+namespace gpu {
+
+constexpr int kThreads = 256;
+// Grid-stride loops cover any size; more blocks than this only queue.
+constexpr int64_t kMaxBlocks = 65535;
+
+inline int64_t blocks_for(int64_t n, int threads = kThreads) {
+  return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, kMaxBlocks));
+}
+
+// The smallest power of two >= n, clamped to [lo, hi]: block sizes for tree reductions.
+inline int pow2_threads(int64_t n, int lo, int hi) {
+  int t = lo;
+  while (t < n && t < hi) t <<= 1;
+  return t;
+}
+
+// _bucket on the device (see common.h).
+__host__ __device__ inline int64_t bucket_dev(int64_t n) {
+  if (n <= 0) return 0;
+  if (n <= 128) {
+    int64_t b = 1;
+    while (b < n) b <<= 1;
+    return b;
+  }
+  return ((n + 127) / 128) * 128;
+}
+
+// A [rows, cols] output whose allocation is rounded up to _bucket(rows) rows: over a run of
+// varying routings the caching allocator sees a few dozen block sizes, not one per step, so
+// memory_reserved() stops growing once they are cached. The tensor itself is [rows, cols].
+inline at::Tensor bucketed_empty(int64_t rows, at::IntArrayRef inner, const at::TensorOptions& options) {
+  std::vector<int64_t> sizes{bucket(rows)};
+  sizes.insert(sizes.end(), inner.begin(), inner.end());
+  return at::empty(sizes, options).narrow(0, 0, rows);
+}
+
+inline void check_cuda(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "minagi.", op, ": ", name, " must be on the GPU with the other inputs, got ",
+              t.device());
+}
+
+}  // namespace gpu
+}  // namespace minagi

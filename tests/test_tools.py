@@ -1,0 +1,72 @@
+"""The memory samplers: tools/mem_sampler.py from outside a process, MemSampler inside one, and
+the Windows sampler's CSV columns."""
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minagi.memory import SAMPLE_FIELDS, MemSampler
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows(path):
+    lines = Path(path).read_text().splitlines()
+    assert lines[0].startswith("#") and "start:" in lines[0] and "stop:" in lines[0]  # the usage line
+    return list(csv.DictReader(lines[1:]))
+
+
+def test_sampler_watches_another_process(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        out = tmp_path / "mem.csv"
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "mem_sampler.py"), str(child.pid), "--out", str(out),
+                            "--every", "0.2", "--count", "3"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    finally:
+        child.kill()
+        child.wait()
+    rows = _rows(out)
+    assert len(rows) == 3 and tuple(rows[0]) == SAMPLE_FIELDS
+    assert all(int(row["pid"]) == child.pid for row in rows)
+    assert min(int(row["rss_bytes"]) for row in rows) > 64 << 20  # the child's 64 MiB is resident
+    assert float(rows[2]["elapsed_s"]) >= float(rows[0]["elapsed_s"])
+    assert rows[0]["device_allocated_bytes"] == ""  # not visible from outside
+
+
+def test_sampler_stops_when_the_process_exits(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    out = tmp_path / "mem.csv"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "mem_sampler.py"), str(child.pid), "--out", str(out),
+                        "--every", "0.2"], capture_output=True, text=True, timeout=60)
+    child.wait()
+    assert r.returncode == 0, r.stderr
+    assert 1 <= len(_rows(out)) <= 30
+
+
+def test_sampler_rejects_a_missing_process(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "mem_sampler.py"), "999999999", "--out",
+                        str(tmp_path / "m.csv")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no process with PID 999999999" in r.stderr
+
+
+def test_in_process_sampler(tmp_path):
+    out = tmp_path / "self.csv"
+    sampler = MemSampler(out, every=0.05).start()
+    time.sleep(0.3)
+    sampler.stop()
+    rows = _rows(out)
+    assert len(rows) >= 2 and all(int(row["rss_bytes"]) > 0 for row in rows)
+    with pytest.raises(ValueError, match="every must be > 0"):
+        MemSampler(out, every=0)
+
+
+def test_windows_sampler_writes_the_same_columns():
+    ps1 = (ROOT / "tools" / "gpu_mem_sampler.ps1").read_text()
+    header = next(line for line in ps1.splitlines() if line.startswith("$fields = "))
+    assert tuple(header.split('"')[1].split(",")) == SAMPLE_FIELDS
+    assert "GPU Process Memory" in ps1 and "Dedicated Usage" in ps1 and "Shared Usage" in ps1

@@ -250,6 +250,18 @@ class RowCache:
         return self.k[r][:, :, :n], self.v[r][:, :, :n]
 
 
+def _frozen_rows(model: ByteModel, h_B1D, r0: int, cos, sin, cache: RowCache) -> None:
+    """Every stream has halted before row r0: its state is frozen, so rows r0.. only need their
+    keys and values for later characters. All of them in one pass (one read of the qkv weights),
+    the rows standing in for positions (they share this character's rotary angle)."""
+    B, _, D = h_B1D.shape
+    R = model.cfg.max_rows - r0
+    u_BRD = h_B1D + model.row_embed[r0:].to(h_B1D.dtype).unsqueeze(0)
+    _, k, v = model.attn.qkv_heads(model.norm_attn(u_BRD), cos.expand(R, -1), sin.expand(R, -1))
+    for i in range(R):
+        cache.append(r0 + i, k[:, :, i:i + 1], v[:, :, i:i + 1])
+
+
 def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> ModelOutput:
     """One new character per stream: its rows run against the cached rows of the characters
     before it. The pooled MLP sees one character, a single group of its top_k experts."""
@@ -266,11 +278,12 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
     out = torch.zeros_like(h)
     stats = []
     for r in range(cfg.max_rows):
+        if not bool(active.any()):
+            _frozen_rows(model, h, r, cos, sin, cache)
+            break
         u = h + model.row_embed[r].to(h.dtype)
         q, k, v = attn.qkv_heads(model.norm_attn(u), cos, sin)
         cache.append(r, k, v)
-        if not bool(active.any()):
-            continue  # halted: only this row's keys and values, from the frozen state
         y = F.scaled_dot_product_attention(q, *cache.keys_values(r))  # every cached position is earlier
         a = u + attn.proj(y.transpose(1, 2).reshape(B, 1, D))
         new = a + model._mlp(model.norm_mlp(a), cache.card, active if cfg.adaptive_rows else None,

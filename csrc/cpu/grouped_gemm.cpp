@@ -126,19 +126,18 @@ MINAGI_SIMD_CLONES void small_rows_mm(const scalar_t* __restrict a, int64_t lda,
     const int64_t nc = std::min(kSmallCols, M - c0);
     for (int64_t r = 0; r < nr; ++r) std::fill(y[r], y[r] + nc, acc_t(0));
     int64_t i = 0;
-    for (; i + 4 <= K; i += 4) {  // four rows of b per pass over the accumulators
-      const scalar_t* w0 = b + i * ldb + c0;
-      const scalar_t* w1 = w0 + ldb;
-      const scalar_t* w2 = w1 + ldb;
-      const scalar_t* w3 = w2 + ldb;
+    for (; i + 8 <= K; i += 8) {  // eight rows of b per pass over the accumulators
+      const scalar_t* w = b + i * ldb + c0;
       for (int64_t r = 0; r < nr; ++r) {
         const scalar_t* x = a + r * lda + i;
-        const acc_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+        const acc_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
         acc_t* __restrict yr = y[r];
 #pragma omp simd
         for (int64_t c = 0; c < nc; ++c) {
-          yr[c] += x0 * static_cast<acc_t>(w0[c]) + x1 * static_cast<acc_t>(w1[c]) +
-                   x2 * static_cast<acc_t>(w2[c]) + x3 * static_cast<acc_t>(w3[c]);
+          yr[c] += x0 * static_cast<acc_t>(w[c]) + x1 * static_cast<acc_t>(w[ldb + c]) +
+                   x2 * static_cast<acc_t>(w[2 * ldb + c]) + x3 * static_cast<acc_t>(w[3 * ldb + c]) +
+                   x4 * static_cast<acc_t>(w[4 * ldb + c]) + x5 * static_cast<acc_t>(w[5 * ldb + c]) +
+                   x6 * static_cast<acc_t>(w[6 * ldb + c]) + x7 * static_cast<acc_t>(w[7 * ldb + c]);
         }
       }
     }

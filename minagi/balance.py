@@ -20,7 +20,7 @@ class BalanceInputs:
     admitted_S: torch.Tensor  # pool indices on the card, int64
     n_pool: int
     n_slots: int
-    row_loads: list  # per row, the routed load per card slot [S] (int64), for load-aware terms
+    row_loads: list  # per row, (router logits [N, S], routed load per card slot [S] int64), for load-aware terms
 
 
 class AdmissionBalance:
@@ -34,6 +34,29 @@ class AdmissionBalance:
         return inp.n_pool * (f_P * P_P).sum()
 
 
+class LoadBalance:
+    """Switch-style on the routing itself, per row, averaged over rows: n_slots * sum_s f_s * P_s,
+    f_s the share of the row's routed pairs that went to slot s (the load: no gradient) and P_s
+    the mean softmax probability of slot s over the row's characters (the router's gradient).
+    1.0 at a uniform load; a sink slot that nearly every character picks pushes it up, and its
+    gradient lowers the sink's probability. This one sees what admission cannot."""
+
+    name = "load"
+    needs_routes = True
+
+    def __call__(self, inp: BalanceInputs) -> torch.Tensor:
+        terms = []
+        for logits_NS, load_S in inp.row_loads:
+            if logits_NS.shape[0] == 0:
+                continue
+            P_S = torch.softmax(logits_NS.float(), dim=-1).mean(0)
+            f_S = load_S.float() / load_S.sum().clamp(min=1)
+            terms.append(logits_NS.shape[1] * (f_S * P_S).sum())
+        if not terms:
+            return inp.affinity_NP.new_zeros(()).float()
+        return torch.stack(terms).mean()
+
+
 class NoBalance:
     name = "none"
 
@@ -41,4 +64,4 @@ class NoBalance:
         return inp.affinity_NP.new_zeros(()).float()
 
 
-BALANCE_TERMS = {"admission": AdmissionBalance, "none": NoBalance}
+BALANCE_TERMS = {"admission": AdmissionBalance, "load": LoadBalance, "none": NoBalance}

@@ -165,6 +165,8 @@ class ByteModel(nn.Module):
         rows_used = torch.zeros(B, T, device=dev)
         out = torch.zeros_like(h) if adaptive else None
         stats = []
+        # A load-aware balance term reads every row's router logits and load.
+        self.mlp.route_log = [] if targets_BT is not None and getattr(self.balance_term, "needs_routes", False) else None
         for r in range(cfg.max_rows):
             u = h + self.row_embed[r].to(h.dtype)
             a = u + self.attn(self.norm_attn(u), cos, sin)
@@ -184,7 +186,8 @@ class ByteModel(nn.Module):
             return result
         ce = F.cross_entropy(logits.float().view(-1, VOCAB), targets_BT.reshape(-1))
         ponder = (rows_used + remainder).mean() if adaptive else rows_used.mean()
-        balance = self.balance_term(BalanceInputs(aff_NP, admitted, cfg.n_pool, cfg.n_slots, []))
+        routes, self.mlp.route_log = self.mlp.route_log or [], None
+        balance = self.balance_term(BalanceInputs(aff_NP, admitted, cfg.n_pool, cfg.n_slots, routes))
         loss = ce + (cfg.ponder_cost * ponder if adaptive else 0.0) + cfg.balance_coef * balance
         result.loss, result.ce, result.ponder, result.balance = loss, ce, ponder.detach(), balance.detach()
         return result

@@ -47,6 +47,9 @@ class PooledMLP(nn.Module):
         self.last_stats = None
         # Benchmarks set this to impose a routing shape: fn(x_ND, n_slots, top_k) -> (slot_idx, gates).
         self.force_routing = None
+        # A list while a load-aware balance term wants them: (router logits [N, S], load [S]) of
+        # every call, appended in order.
+        self.route_log = None
         if own_card:  # else every forward is handed its card (the model's pool admits one)
             self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
                 n_slots, d_model, d_hidden, device=device, dtype=dtype))
@@ -61,7 +64,10 @@ class PooledMLP(nn.Module):
             slot_idx_NK, gates_NK = self.force_routing(x_ND, router_SD.shape[0], self.top_k)
             return slot_idx_NK, gates_NK, None
         logits_NS = x_ND @ router_SD.t()
-        return _ops.best(x_ND.device).routing(logits_NS, self.top_k)
+        slot_idx_NK, gates_NK, load_S = _ops.best(x_ND.device).routing(logits_NS, self.top_k)
+        if self.route_log is not None:
+            self.route_log.append((logits_NS, load_S))
+        return slot_idx_NK, gates_NK, load_S
 
     def forward(self, x: torch.Tensor, card: Card | None = None, return_stats: bool = False):
         """x [..., D] -> [..., D]. card: the slots' weights to use instead of this module's own."""

@@ -123,3 +123,33 @@ def test_context_too_long_is_an_error():
     model = ByteModel(small(), context=8)
     with pytest.raises(ValueError, match="context is 8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_load_balance_term_sees_the_routing():
+    from minagi.balance import BalanceInputs, LoadBalance
+    term = LoadBalance()
+    S, N = 8, 64
+    uniform = torch.zeros(N, S, requires_grad=True)
+    load = torch.full((S,), N * 2 // S)
+    inputs = lambda logits, load: BalanceInputs(torch.ones(N, S) / S, torch.arange(S), S, S, [(logits, load)])  # noqa: E731
+    assert_close(term(inputs(uniform, load)), torch.tensor(1.0))
+    sink = torch.zeros(N, S)
+    sink[:, 0] = 5.0
+    sink.requires_grad_()
+    sink_load = torch.tensor([N] + [N // (S - 1)] * (S - 1))
+    value = term(inputs(sink, sink_load))
+    assert float(value) > 2.0  # the sink's load share times its probability
+    value.backward()
+    assert float(sink.grad[:, 0].sum()) > 0  # descending the term lowers the sink's logit
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_load_balance_term_trains_the_router(path):
+    # model.balance = "load": every row's router logits and load reach the term; its gradient
+    # reaches the pool's router keys, and the term is the same on every dispatch path.
+    idx, tgt = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9))
+    cfg = small(balance="load", balance_coef=1.0)
+    out, grads = _forward_backward(cfg, path, idx, tgt)
+    ref, _ = _forward_backward(small(balance="load", balance_coef=1.0), "rectangle", idx, tgt)
+    assert float(out.balance) > 0 and grads["pool.router"].abs().sum() > 0
+    assert_close(out.balance, ref.balance)

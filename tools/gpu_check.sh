@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU checks of the dispatch ops as one prepared run, for a machine with a CUDA or ROCm GPU
+# and a GPU build of torch (the device machine's python3, or your own): build the extension with
+# its GPU kernels, run the GPU cases of the tests, the dispatch benchmark on the GPU (bfloat16)
+# and the reserved-memory test. Writes logs and the benchmark's JSON under ${OUT:-gpu-check}.
+#   bash tools/gpu_check.sh            (MINAGI_ARCHS=9.0 for an H100/H200, gfx1151 for Strix Halo)
+set -uo pipefail
+out=${OUT:-gpu-check}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+start=$SECONDS
+echo "== build (MINAGI_ARCHS=${MINAGI_ARCHS:-torch default})"
+MINAGI_REQUIRE_EXT=1 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || {
+  tail -40 "$out/build.log"; echo "gpu_check: build FAILED after $((SECONDS-start)) s"; exit 1; }
+echo "built in $((SECONDS-start)) s"
+"$py" -m minagi doctor 2>&1 | tee "$out/doctor.txt"
+echo "== GPU tests"
+MINAGI_REQUIRE_EXT=1 timeout 900 "$py" -m pytest -q -x -k "cuda or test_gpu" tests -p no:cacheprovider \
+  2>&1 | tee "$out/tests.log" | tail -25
+echo "== dispatch benchmark (GPU, bfloat16)"
+timeout 600 "$py" -m minagi.bench dispatch --device cuda --reps 10 --json "$out/bench_dispatch.json" \
+  2>&1 | tee "$out/bench_dispatch.txt"
+echo "gpu_check: done in $((SECONDS-start)) s"

@@ -217,7 +217,7 @@ def test_compiled_path_on_device_matches_rectangle(device, name, cf):
 
 
 def _rel_err(got, want):
-    return float((got.double().cpu() - want).norm() / want.norm())
+    return float((got.detach().double().cpu() - want.detach()).norm() / want.detach().norm())
 
 
 @requires_ext

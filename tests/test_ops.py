@@ -304,7 +304,9 @@ def _opcheck_samples(device):
     }
 
     def move(t):  # slot_rows (the last tensor of the GEMMs) stays on the host, as the plan gives it
-        return _leaf(t, device) if isinstance(t, torch.Tensor) and t is not rows else t
+        if not isinstance(t, torch.Tensor) or t is rows:
+            return t
+        return t.detach().to(device).requires_grad_(t.requires_grad)
 
     return {op: tuple(move(t) for t in args) for op, args in samples.items()}
 

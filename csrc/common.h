@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -60,6 +61,109 @@ inline void check_plan_maps(const at::Tensor& dest, const at::Tensor& row_pair, 
   check_same_device(dest, row_pair, op, "dest", "row_pair");
 }
 
+// ---- Per-op argument checks, shared by the CPU and GPU kernels of each op.
+
+inline void check_routing_args(const at::Tensor& logits, int64_t top_k) {
+  check_dim(logits, 2, "routing", "logits");
+  check_floating(logits, "routing", "logits");
+  const int64_t S = logits.size(1);
+  TORCH_CHECK(S >= 1, "minagi.routing: logits must have at least one slot (shape[1] >= 1), got shape ",
+              logits.sizes());
+  TORCH_CHECK(top_k >= 1 && top_k <= S, "minagi.routing: top_k must be in [1, n_slots=", S, "], got ", top_k);
+}
+
+inline void check_routing_backward_args(const at::Tensor& grad_gates, const at::Tensor& gates,
+                                        const at::Tensor& slot_idx, int64_t n_slots) {
+  const char* op = "routing_backward";
+  check_dim(gates, 2, op, "gates");
+  check_floating(gates, op, "gates");
+  check_same_dtype(gates, grad_gates, op, "gates", "grad_gates");
+  TORCH_CHECK(grad_gates.sizes() == gates.sizes() && slot_idx.sizes() == gates.sizes(),
+              "minagi.routing_backward: grad_gates ", grad_gates.sizes(), ", gates ", gates.sizes(),
+              " and slot_idx ", slot_idx.sizes(), " must have one shape [N, k]");
+  check_index(slot_idx, op, "slot_idx");
+  check_same_device(gates, grad_gates, op, "gates", "grad_gates");
+  check_same_device(gates, slot_idx, op, "gates", "slot_idx");
+  TORCH_CHECK(n_slots >= 1, "minagi.routing_backward: n_slots must be >= 1, got ", n_slots);
+}
+
+inline void check_group_plan_args(const at::Tensor& slot_idx, int64_t n_slots, int64_t capacity) {
+  const char* op = "group_plan";
+  check_dim(slot_idx, 2, op, "slot_idx");
+  check_index(slot_idx, op, "slot_idx");
+  TORCH_CHECK(n_slots >= 1, "minagi.group_plan: n_slots must be >= 1, got ", n_slots);
+  TORCH_CHECK(capacity >= 0, "minagi.group_plan: capacity must be >= 0 (0 = uncapped), got ", capacity);
+}
+
+// The optional gates of gather and scatter: [N, k] like dest, the rows' dtype and device.
+inline void check_gates(const c10::optional<at::Tensor>& gates, const at::Tensor& like, const at::Tensor& dest,
+                        const char* op) {
+  if (!gates.has_value()) return;
+  TORCH_CHECK(gates->sizes() == dest.sizes(), "minagi.", op, ": gates must have the shape of dest ",
+              dest.sizes(), " ([N, k]), got ", gates->sizes());
+  check_same_dtype(like, *gates, op, "the rows", "gates");
+  check_same_device(like, *gates, op, "the rows", "gates");
+}
+
+inline void check_gather_args(const at::Tensor& x, const at::Tensor& row_pair, const at::Tensor& dest,
+                              const c10::optional<at::Tensor>& gates) {
+  const char* op = "bucketed_gather";
+  check_dim(x, 2, op, "x");
+  check_floating(x, op, "x");
+  check_plan_maps(dest, row_pair, op);
+  check_same_device(x, dest, op, "x", "dest");
+  check_size(dest, 0, x.size(0), op, "dest", "x.shape[0]");
+  check_gates(gates, x, dest, op);
+}
+
+inline void check_scatter_args(const at::Tensor& rows, const at::Tensor& dest, const at::Tensor& row_pair,
+                               const c10::optional<at::Tensor>& gates) {
+  const char* op = "weighted_scatter";
+  check_dim(rows, 2, op, "rows");
+  check_floating(rows, op, "rows");
+  check_plan_maps(dest, row_pair, op);
+  check_same_device(rows, dest, op, "rows", "dest");
+  check_size(row_pair, 0, rows.size(0), op, "row_pair", "rows.shape[0]");
+  check_gates(gates, rows, dest, op);
+}
+
+inline void check_gate_grad_args(const at::Tensor& a, const at::Tensor& rows, const at::Tensor& dest,
+                                 const at::Tensor& row_pair) {
+  const char* op = "gate_grad";
+  check_dim(a, 2, op, "a");
+  check_dim(rows, 2, op, "rows");
+  check_floating(a, op, "a");
+  check_same_dtype(a, rows, op, "a", "rows");
+  check_same_device(a, rows, op, "a", "rows");
+  check_plan_maps(dest, row_pair, op);
+  check_same_device(a, dest, op, "a", "dest");
+  check_size(dest, 0, a.size(0), op, "dest", "a.shape[0]");
+  check_size(rows, 1, a.size(1), op, "rows", "a.shape[1]");
+  check_size(row_pair, 0, rows.size(0), op, "row_pair", "rows.shape[0]");
+}
+
+// The operands of grouped_mm (a [E, K], b [S, K, M]) and grouped_mm_wgrad (a [E, K], grad [E, M]).
+inline void check_grouped_mm_args(const at::Tensor& a, const at::Tensor& b) {
+  const char* op = "grouped_mm";
+  check_dim(a, 2, op, "a");
+  check_dim(b, 3, op, "b");
+  check_floating(a, op, "a");
+  check_same_dtype(a, b, op, "a", "b");
+  check_same_device(a, b, op, "a", "b");
+  check_size(b, 1, a.size(1), op, "b", "a.shape[1]");
+}
+
+inline void check_wgrad_args(const at::Tensor& a, const at::Tensor& grad, int64_t n_slots) {
+  const char* op = "grouped_mm_wgrad";
+  check_dim(a, 2, op, "a");
+  check_dim(grad, 2, op, "grad");
+  check_floating(a, op, "a");
+  check_same_dtype(a, grad, op, "a", "grad");
+  check_same_device(a, grad, op, "a", "grad");
+  check_size(grad, 0, a.size(0), op, "grad", "a.shape[0]");
+  TORCH_CHECK(n_slots >= 1, "minagi.grouped_mm_wgrad: n_slots must be >= 1, got ", n_slots);
+}
+
 // Host-side range check of an index tensor (CPU kernels only: a GPU check would synchronise).
 inline void check_range_cpu(const at::Tensor& idx, int64_t lo, int64_t hi, const char* op,
                             const char* name) {
@@ -72,8 +176,8 @@ inline void check_range_cpu(const at::Tensor& idx, int64_t lo, int64_t hi, const
 }
 
 // _bucket(n): powers of two up to 128, then multiples of 128. A few dozen buffer sizes over a
-// run, so a caching allocator reuses its blocks instead of fragmenting.
-inline int64_t bucket(int64_t n) {
+// run, so a caching allocator reuses its blocks instead of fragmenting. Host and GPU code.
+C10_HOST_DEVICE inline int64_t bucket(int64_t n) {
   if (n <= 0) return 0;
   if (n <= 128) {
     int64_t b = 1;

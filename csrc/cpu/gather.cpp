@@ -9,24 +9,10 @@
 namespace minagi {
 namespace {
 
-void check_gates(const c10::optional<at::Tensor>& gates, const at::Tensor& like,
-                 const at::Tensor& dest, const char* op) {
-  if (!gates.has_value()) return;
-  const at::Tensor& g = *gates;
-  TORCH_CHECK(g.sizes() == dest.sizes(), "minagi.", op, ": gates must have the shape of dest ",
-              dest.sizes(), " ([N, k]), got ", g.sizes());
-  check_same_dtype(like, g, op, "the rows", "gates");
-  check_same_device(like, g, op, "the rows", "gates");
-}
-
 at::Tensor bucketed_gather_cpu(const at::Tensor& x_in, const at::Tensor& row_pair_in,
                                const at::Tensor& dest_in, const c10::optional<at::Tensor>& gates_in) {
   const char* op = "bucketed_gather";
-  check_dim(x_in, 2, op, "x");
-  check_floating(x_in, op, "x");
-  check_plan_maps(dest_in, row_pair_in, op);
-  check_size(dest_in, 0, x_in.size(0), op, "dest", "x.shape[0]");
-  check_gates(gates_in, x_in, dest_in, op);
+  check_gather_args(x_in, row_pair_in, dest_in, gates_in);
   const at::Tensor x = x_in.contiguous(), row_pair = row_pair_in.contiguous();
   const int64_t N = x.size(0), D = x.size(1), k = dest_in.size(1), E = row_pair.size(0);
   check_range_cpu(row_pair, -1, N * k, op, "row_pair");
@@ -63,11 +49,7 @@ at::Tensor weighted_scatter_cpu(const at::Tensor& rows_in, const at::Tensor& des
                                 const at::Tensor& row_pair_in,
                                 const c10::optional<at::Tensor>& gates_in) {
   const char* op = "weighted_scatter";
-  check_dim(rows_in, 2, op, "rows");
-  check_floating(rows_in, op, "rows");
-  check_plan_maps(dest_in, row_pair_in, op);
-  check_size(row_pair_in, 0, rows_in.size(0), op, "row_pair", "rows.shape[0]");
-  check_gates(gates_in, rows_in, dest_in, op);
+  check_scatter_args(rows_in, dest_in, row_pair_in, gates_in);
   const at::Tensor rows = rows_in.contiguous(), dest = dest_in.contiguous();
   const int64_t E = rows.size(0), D = rows.size(1), N = dest.size(0), k = dest.size(1);
   check_range_cpu(dest, -1, E, op, "dest");
@@ -101,14 +83,7 @@ at::Tensor weighted_scatter_cpu(const at::Tensor& rows_in, const at::Tensor& des
 at::Tensor gate_grad_cpu(const at::Tensor& a_in, const at::Tensor& rows_in, const at::Tensor& dest_in,
                          const at::Tensor& row_pair_in) {
   const char* op = "gate_grad";
-  check_dim(a_in, 2, op, "a");
-  check_dim(rows_in, 2, op, "rows");
-  check_floating(a_in, op, "a");
-  check_same_dtype(a_in, rows_in, op, "a", "rows");
-  check_plan_maps(dest_in, row_pair_in, op);
-  check_size(dest_in, 0, a_in.size(0), op, "dest", "a.shape[0]");
-  check_size(rows_in, 1, a_in.size(1), op, "rows", "a.shape[1]");
-  check_size(row_pair_in, 0, rows_in.size(0), op, "row_pair", "rows.shape[0]");
+  check_gate_grad_args(a_in, rows_in, dest_in, row_pair_in);
   const at::Tensor a = a_in.contiguous(), rows = rows_in.contiguous(), dest = dest_in.contiguous();
   const int64_t N = a.size(0), D = a.size(1), k = dest.size(1), E = rows.size(0);
   check_range_cpu(dest, -1, E, op, "dest");

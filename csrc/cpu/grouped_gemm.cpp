@@ -156,19 +156,10 @@ MINAGI_SIMD_CLONES void small_rows_mm(const scalar_t* __restrict a, int64_t lda,
   }
 }
 
-void check_operands(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name_b) {
-  check_floating(a, op, "a");
-  check_same_dtype(a, b, op, "a", name_b);
-  check_same_device(a, b, op, "a", name_b);
-}
-
 at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
                           const at::Tensor& slot_rows) {
   const char* op = "grouped_mm";
-  check_dim(a_in, 2, op, "a");
-  check_dim(b, 3, op, "b");
-  check_operands(a_in, b, op, "b");
-  check_size(b, 1, a_in.size(1), op, "b", "a.shape[1]");
+  check_grouped_mm_args(a_in, b);
   const at::Tensor a = a_in.contiguous();
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), op, false);
   at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
@@ -196,11 +187,7 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
                                 const at::Tensor& slot_ids, const at::Tensor& slot_rows,
                                 int64_t n_slots) {
   const char* op = "grouped_mm_wgrad";
-  check_dim(a_in, 2, op, "a");
-  check_dim(grad_in, 2, op, "grad");
-  check_operands(a_in, grad_in, op, "grad");
-  check_size(grad_in, 0, a_in.size(0), op, "grad", "a.shape[0]");
-  TORCH_CHECK(n_slots >= 1, "minagi.grouped_mm_wgrad: n_slots must be >= 1, got ", n_slots);
+  check_wgrad_args(a_in, grad_in, n_slots);
   const at::Tensor a = a_in.contiguous(), grad = grad_in.contiguous();
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), n_slots, op, true);
   const int64_t K = a.size(1), M = grad.size(1);

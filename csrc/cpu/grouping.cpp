@@ -13,12 +13,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_plan_cpu(
     const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed) {
-  const char* op = "group_plan";
-  check_dim(slot_idx_in, 2, op, "slot_idx");
-  check_index(slot_idx_in, op, "slot_idx");
-  TORCH_CHECK(n_slots >= 1, "minagi.group_plan: n_slots must be >= 1, got ", n_slots);
-  TORCH_CHECK(capacity >= 0, "minagi.group_plan: capacity must be >= 0 (0 = uncapped), got ",
-              capacity);
+  check_group_plan_args(slot_idx_in, n_slots, capacity);
   const at::Tensor idx = slot_idx_in.contiguous();
   const int64_t N = idx.size(0), k = idx.size(1), R = N * k;
   const int64_t* ip = idx.data_ptr<int64_t>();

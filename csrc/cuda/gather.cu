@@ -76,28 +76,9 @@ __global__ void gate_grad_kernel(const scalar_t* __restrict__ a, const scalar_t*
   }
 }
 
-void check_gates(const c10::optional<at::Tensor>& gates, const at::Tensor& like, const at::Tensor& dest,
-                 const char* op) {
-  if (!gates.has_value()) return;
-  TORCH_CHECK(gates->sizes() == dest.sizes(), "minagi.", op, ": gates must have the shape of dest ",
-              dest.sizes(), " ([N, k]), got ", gates->sizes());
-  check_same_dtype(like, *gates, op, "the rows", "gates");
-  check_same_device(like, *gates, op, "the rows", "gates");
-}
-
-void check_maps_on(const at::Tensor& like, const at::Tensor& dest, const at::Tensor& row_pair, const char* op) {
-  check_plan_maps(dest, row_pair, op);
-  check_same_device(like, dest, op, "the rows", "dest");
-}
-
 at::Tensor bucketed_gather_cuda(const at::Tensor& x_in, const at::Tensor& row_pair_in, const at::Tensor& dest_in,
                                 const c10::optional<at::Tensor>& gates_in) {
-  const char* op = "bucketed_gather";
-  check_dim(x_in, 2, op, "x");
-  check_floating(x_in, op, "x");
-  check_maps_on(x_in, dest_in, row_pair_in, op);
-  check_size(dest_in, 0, x_in.size(0), op, "dest", "x.shape[0]");
-  check_gates(gates_in, x_in, dest_in, op);
+  check_gather_args(x_in, row_pair_in, dest_in, gates_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), row_pair = row_pair_in.contiguous();
   const at::Tensor gates = gates_in.has_value() ? gates_in->contiguous() : at::Tensor();
@@ -115,12 +96,7 @@ at::Tensor bucketed_gather_cuda(const at::Tensor& x_in, const at::Tensor& row_pa
 
 at::Tensor weighted_scatter_cuda(const at::Tensor& rows_in, const at::Tensor& dest_in, const at::Tensor& row_pair_in,
                                  const c10::optional<at::Tensor>& gates_in) {
-  const char* op = "weighted_scatter";
-  check_dim(rows_in, 2, op, "rows");
-  check_floating(rows_in, op, "rows");
-  check_maps_on(rows_in, dest_in, row_pair_in, op);
-  check_size(row_pair_in, 0, rows_in.size(0), op, "row_pair", "rows.shape[0]");
-  check_gates(gates_in, rows_in, dest_in, op);
+  check_scatter_args(rows_in, dest_in, row_pair_in, gates_in);
   const c10::cuda::CUDAGuard guard(rows_in.device());
   const at::Tensor rows = rows_in.contiguous(), dest = dest_in.contiguous();
   const at::Tensor gates = gates_in.has_value() ? gates_in->contiguous() : at::Tensor();
@@ -138,16 +114,7 @@ at::Tensor weighted_scatter_cuda(const at::Tensor& rows_in, const at::Tensor& de
 
 at::Tensor gate_grad_cuda(const at::Tensor& a_in, const at::Tensor& rows_in, const at::Tensor& dest_in,
                           const at::Tensor& row_pair_in) {
-  const char* op = "gate_grad";
-  check_dim(a_in, 2, op, "a");
-  check_dim(rows_in, 2, op, "rows");
-  check_floating(a_in, op, "a");
-  check_same_dtype(a_in, rows_in, op, "a", "rows");
-  check_same_device(a_in, rows_in, op, "a", "rows");
-  check_maps_on(a_in, dest_in, row_pair_in, op);
-  check_size(dest_in, 0, a_in.size(0), op, "dest", "a.shape[0]");
-  check_size(rows_in, 1, a_in.size(1), op, "rows", "a.shape[1]");
-  check_size(row_pair_in, 0, rows_in.size(0), op, "row_pair", "rows.shape[0]");
+  check_gate_grad_args(a_in, rows_in, dest_in, row_pair_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), rows = rows_in.contiguous(), dest = dest_in.contiguous();
   const int64_t N = a.size(0), D = a.size(1), k = dest.size(1), E = rows.size(0);

@@ -43,20 +43,11 @@ std::vector<Group> host_groups(const at::Tensor& slot_ids, const at::Tensor& slo
   return groups;
 }
 
-void check_operands(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name_b) {
-  check_floating(a, op, "a");
-  check_same_dtype(a, b, op, "a", name_b);
-  check_same_device(a, b, op, "a", name_b);
-  gpu::check_cuda(a, op, "a");
-}
-
 at::Tensor grouped_mm_cuda(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
                            const at::Tensor& slot_rows) {
   const char* op = "grouped_mm";
-  check_dim(a_in, 2, op, "a");
-  check_dim(b, 3, op, "b");
-  check_operands(a_in, b, op, "b");
-  check_size(b, 1, a_in.size(1), op, "b", "a.shape[1]");
+  check_grouped_mm_args(a_in, b);
+  gpu::check_cuda(a_in, op, "a");
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous();
   const int64_t E = a.size(0), K = a.size(1), M = b.size(2), A = slot_ids.size(0);
@@ -78,11 +69,8 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a_in, const at::Tensor& b, const at
 at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a_in, const at::Tensor& grad_in, const at::Tensor& slot_ids,
                                  const at::Tensor& slot_rows, int64_t n_slots) {
   const char* op = "grouped_mm_wgrad";
-  check_dim(a_in, 2, op, "a");
-  check_dim(grad_in, 2, op, "grad");
-  check_operands(a_in, grad_in, op, "grad");
-  check_size(grad_in, 0, a_in.size(0), op, "grad", "a.shape[0]");
-  TORCH_CHECK(n_slots >= 1, "minagi.grouped_mm_wgrad: n_slots must be >= 1, got ", n_slots);
+  check_wgrad_args(a_in, grad_in, n_slots);
+  gpu::check_cuda(a_in, op, "a");
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), grad = grad_in.contiguous();
   const int64_t E = a.size(0), K = a.size(1), M = grad.size(1), A = slot_ids.size(0);

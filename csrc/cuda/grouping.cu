@@ -74,7 +74,7 @@ __global__ void plan_kernel(const int64_t* __restrict__ total, int S, int64_t ca
       pos += lo > 0 && (lo < l || (lo == l && o < s));
     }
     slot_order[pos] = s;
-    rows_sh[pos] = bucketed ? gpu::bucket_dev(l) : l;
+    rows_sh[pos] = bucketed ? bucket(l) : l;
     start[s] = pos;  // for now the position; the row start below
   }
   __syncthreads();
@@ -120,13 +120,9 @@ __global__ void fill_kernel(const int64_t* __restrict__ idx, int64_t R, int64_t 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_plan_cuda(
     const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed) {
-  const char* op = "group_plan";
-  check_dim(slot_idx_in, 2, op, "slot_idx");
-  check_index(slot_idx_in, op, "slot_idx");
-  TORCH_CHECK(n_slots >= 1, "minagi.group_plan: n_slots must be >= 1, got ", n_slots);
+  check_group_plan_args(slot_idx_in, n_slots, capacity);
   TORCH_CHECK(n_slots <= kMaxSlots, "minagi.group_plan: the GPU plan takes at most ", kMaxSlots,
               " card slots, got n_slots=", n_slots, "; use a smaller card");
-  TORCH_CHECK(capacity >= 0, "minagi.group_plan: capacity must be >= 0 (0 = uncapped), got ", capacity);
   const c10::cuda::CUDAGuard guard(slot_idx_in.device());
   const at::Tensor idx = slot_idx_in.contiguous();
   const int64_t N = idx.size(0), k = idx.size(1), R = N * k;

@@ -31,17 +31,6 @@ inline int pow2_threads(int64_t n, int lo, int hi) {
   return t;
 }
 
-// _bucket on the device (see common.h).
-__host__ __device__ inline int64_t bucket_dev(int64_t n) {
-  if (n <= 0) return 0;
-  if (n <= 128) {
-    int64_t b = 1;
-    while (b < n) b <<= 1;
-    return b;
-  }
-  return ((n + 127) / 128) * 128;
-}
-
 // A [rows, cols] output whose allocation is rounded up to _bucket(rows) rows: over a run of
 // varying routings the caching allocator sees a few dozen block sizes, not one per step, so
 // memory_reserved() stops growing once they are cached. The tensor itself is [rows, cols].

@@ -106,12 +106,8 @@ __global__ void routing_backward_kernel(const scalar_t* __restrict__ grad, const
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_cuda(const at::Tensor& logits_in, int64_t top_k) {
-  check_dim(logits_in, 2, "routing", "logits");
-  check_floating(logits_in, "routing", "logits");
+  check_routing_args(logits_in, top_k);
   const int64_t N = logits_in.size(0), S = logits_in.size(1);
-  TORCH_CHECK(S >= 1, "minagi.routing: logits must have at least one slot (shape[1] >= 1), got shape ",
-              logits_in.sizes());
-  TORCH_CHECK(top_k >= 1 && top_k <= S, "minagi.routing: top_k must be in [1, n_slots=", S, "], got ", top_k);
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = logits_in.contiguous();
   at::Tensor idx = at::empty({N, top_k}, logits.options().dtype(at::kLong));
@@ -134,17 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_cuda(const at::Tensor& lo
 
 at::Tensor routing_backward_cuda(const at::Tensor& grad_gates_in, const at::Tensor& gates_in,
                                  const at::Tensor& slot_idx_in, int64_t n_slots) {
-  const char* op = "routing_backward";
-  check_dim(gates_in, 2, op, "gates");
-  check_floating(gates_in, op, "gates");
-  check_same_dtype(gates_in, grad_gates_in, op, "gates", "grad_gates");
-  TORCH_CHECK(grad_gates_in.sizes() == gates_in.sizes() && slot_idx_in.sizes() == gates_in.sizes(),
-              "minagi.routing_backward: grad_gates ", grad_gates_in.sizes(), ", gates ", gates_in.sizes(),
-              " and slot_idx ", slot_idx_in.sizes(), " must have one shape [N, k]");
-  check_index(slot_idx_in, op, "slot_idx");
-  check_same_device(gates_in, grad_gates_in, op, "gates", "grad_gates");
-  check_same_device(gates_in, slot_idx_in, op, "gates", "slot_idx");
-  TORCH_CHECK(n_slots >= 1, "minagi.routing_backward: n_slots must be >= 1, got ", n_slots);
+  check_routing_backward_args(grad_gates_in, gates_in, slot_idx_in, n_slots);
   const c10::cuda::CUDAGuard guard(gates_in.device());
   const at::Tensor gg = grad_gates_in.contiguous(), g = gates_in.contiguous(), idx = slot_idx_in.contiguous();
   const int64_t N = g.size(0), k = g.size(1);

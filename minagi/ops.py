@@ -139,13 +139,21 @@ def _register() -> None:
         _REGISTERED = True
 
 
+_COMPILED: tuple | None = None  # (the backend state it was made under, the table)
+
+
 def compiled() -> types.SimpleNamespace:
     """The compiled ops, registered with fake kernels and autograd. Raises if not loaded."""
+    global _COMPILED
     st = _backend.state()
+    if _COMPILED is not None and _COMPILED[0] is st:  # decoding asks on every row
+        return _COMPILED[1]
     if not st.loaded:
         raise RuntimeError(f"minagi's compiled ops are not available: {st.reason}")
     _register()
-    return types.SimpleNamespace(**{name: getattr(torch.ops.minagi, name) for name in _backend.OP_NAMES})
+    table = types.SimpleNamespace(**{name: getattr(torch.ops.minagi, name) for name in _backend.OP_NAMES})
+    _COMPILED = (st, table)
+    return table
 
 
 REFERENCE = types.SimpleNamespace(**{name: getattr(reference, name) for name in _backend.OP_NAMES})

@@ -119,6 +119,21 @@ def test_whole_pool_on_card_is_plain_adamw():
         assert_close(a, b, torch.float32, scale=5, msg=n)
 
 
+def test_fused_update_equals_the_foreach_update():
+    torch.manual_seed(0)
+    shapes = [(4, 6), (3, 5, 2), (7,)]
+    params = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    ms = [torch.randn(s) * 0.1 for s in shapes]
+    vs = [torch.rand(s) * 0.1 for s in shapes]
+    copies = [[t.clone() for t in ts] for ts in (params, ms, vs)]
+    hyper = (3.0, 1e-2, 0.9, 0.99, 1e-8, 0.1)  # step, lr, betas, eps, weight decay
+    assert PoolAdamW._fused_update(params, grads, ms, vs, *hyper), "the fused kernel was not taken on the CPU"
+    PoolAdamW._foreach_update(*copies[:1], grads, *copies[1:], *hyper)
+    for got, want in zip(params + ms + vs, sum(copies, [])):
+        assert_close(got, want, torch.float32)
+
+
 def test_context_too_long_is_an_error():
     model = ByteModel(small(), context=8)
     with pytest.raises(ValueError, match="context is 8"):

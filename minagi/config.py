@@ -35,6 +35,10 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast on GPUs)
     pool_device: str = ""  # "" = the compute device; "cpu" keeps the pool in host memory
     rope_base: float = 10000.0
+    # Input n-grams: the embedding of each byte plus, for each order 2..ngram, a hashed embedding
+    # of the last that-many bytes (ngram_buckets rows per order). 1 = the byte alone.
+    ngram: int = 1
+    ngram_buckets: int = 8191
 
 
 @dataclass
@@ -184,6 +188,8 @@ def validate(cfg: Config) -> None:
         (1 <= m.top_k <= m.n_slots, f"model.top_k ({m.top_k}) must be in [1, model.n_slots = {m.n_slots}]"),
         (m.capacity_factor >= 0, "model.capacity_factor must be >= 0 (0 = uncapped)"),
         (0 < m.halt_epsilon < 1, "model.halt_epsilon must be in (0, 1)"),
+        (1 <= m.ngram <= 4, f"model.ngram must be in [1, 4] (1 = bytes alone), got {m.ngram}"),
+        (m.ngram == 1 or m.ngram_buckets >= 1, "model.ngram_buckets must be >= 1"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.dispatch in ("auto", "rectangle", "grouped", "compiled"), f"model.dispatch must be auto, rectangle, grouped or compiled, got {m.dispatch!r}"),
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),

@@ -20,6 +20,19 @@ from .config import ModelConfig
 from .pool import Card, PooledMLP, init_experts
 
 VOCAB = 256  # every byte value: nothing is ever unknown
+NO_BYTE = VOCAB  # stands for the bytes before a window's first, in the n-gram codes
+
+
+def ngram_codes(idx_BT: torch.Tensor, prev_BP: torch.Tensor, order: int, buckets: int) -> torch.Tensor:
+    """Each position's last `order` bytes as one bucket id [B, T]: the bytes as base-257 digits
+    (NO_BYTE where they fall before the window; prev_BP holds the bytes just before it, at least
+    order - 1 of them), taken modulo the bucket count."""
+    x_BU = torch.cat([prev_BP[:, prev_BP.shape[1] - (order - 1):], idx_BT], dim=1)
+    T = idx_BT.shape[1]
+    code = torch.zeros_like(idx_BT)
+    for j in range(order):  # oldest byte first
+        code = code * (VOCAB + 1) + x_BU[:, j:j + T]
+    return code % buckets
 
 
 def rotary(x_BHTd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> torch.Tensor:
@@ -95,6 +108,7 @@ class ByteModel(nn.Module):
         self.cfg, self.context = cfg, context
         D = cfg.d_model
         self.embed = nn.Embedding(VOCAB, D)
+        self.ngram_embed = nn.ModuleList(nn.Embedding(cfg.ngram_buckets, D) for _ in range(cfg.ngram - 1))
         self.row_embed = nn.Parameter(torch.randn(cfg.max_rows, D) * 0.02)
         self.norm_attn, self.norm_mlp, self.norm_out = nn.RMSNorm(D), nn.RMSNorm(D), nn.RMSNorm(D)
         self.attn = Attention(D, cfg.n_heads)
@@ -108,6 +122,8 @@ class ByteModel(nn.Module):
 
     def _init_weights(self) -> None:
         nn.init.normal_(self.embed.weight, std=1.0)
+        for e in self.ngram_embed:  # they start silent and learn what the byte alone lacks
+            nn.init.zeros_(e.weight)
         for lin in (self.attn.qkv, self.head):
             nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
         # Residual outputs start small: each row nudges the state rather than replacing it.
@@ -123,6 +139,18 @@ class ByteModel(nn.Module):
         ang = torch.arange(offset, offset + T, device=device, dtype=torch.float32)[:, None] * inv[None]
         ang = torch.cat([ang, ang], dim=-1)
         return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def embed_bytes(self, idx_BT: torch.Tensor, prev_BP: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' input [B, T, D]: each byte's embedding plus its n-grams'. prev_BP: the
+        ngram - 1 bytes before the window (NO_BYTE for none; None = none known)."""
+        h = self.embed(idx_BT)
+        if not len(self.ngram_embed):
+            return h
+        if prev_BP is None:
+            prev_BP = idx_BT.new_full((idx_BT.shape[0], self.cfg.ngram - 1), NO_BYTE)
+        for order, table in enumerate(self.ngram_embed, start=2):
+            h = h + table(ngram_codes(idx_BT, prev_BP, order, self.cfg.ngram_buckets))
+        return h
 
     def _mlp(self, x_BTD, card, active_BT, stats):
         """The pooled MLP on the active characters only; halted ones get no update. Dispatch
@@ -160,7 +188,7 @@ class ByteModel(nn.Module):
         B, T = idx_BT.shape
         if T > self.context:
             raise ValueError(f"ByteModel: {T} positions but the model's context is {self.context}")
-        h = self.embed(idx_BT)
+        h = self.embed_bytes(idx_BT)
         dev = h.device
         card, admitted, aff_NP = self.pool.admit(h.reshape(B * T, -1), dev)
         cos, sin = self.rotary_tables(T, dev, h.dtype)
@@ -239,6 +267,8 @@ class RowCache:
         self.k = [None] * model.cfg.max_rows
         self.v = [None] * model.cfg.max_rows
         self.pos = 0  # absolute position of the next character
+        self.n_prev = model.cfg.ngram - 1
+        self.prev = None  # [B, ngram - 1]: the bytes before the next character, for its n-grams
         self.window = model.context
         self.card = None  # the card admitted for this stream (from its first characters)
         # The dense weights transposed, [in, out] row-major: a one-row product then streams each
@@ -260,6 +290,16 @@ class RowCache:
         slot = self.pos % self.window
         self.k[r][:, :, slot] = k[:, :, 0]
         self.v[r][:, :, slot] = v[:, :, 0]
+
+    def prev_bytes(self, idx_B1: torch.Tensor):
+        """The n-gram history before this character (None without n-grams); then records it."""
+        if not self.n_prev:
+            return None
+        if self.prev is None:
+            self.prev = idx_B1.new_full((idx_B1.shape[0], self.n_prev), NO_BYTE)
+        prev = self.prev
+        self.prev = torch.cat([prev[:, 1:], idx_B1], dim=1)
+        return prev
 
     def keys_values(self, r: int):
         """Row r's cached keys and values, the current character's included."""
@@ -283,7 +323,7 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
     """One new character per stream: its rows run against the cached rows of the characters
     before it. The pooled MLP sees one character, a single group of its top_k experts."""
     cfg, attn = model.cfg, model.attn
-    h = model.embed(idx_B1)
+    h = model.embed_bytes(idx_B1, cache.prev_bytes(idx_B1))
     B, _, D = h.shape
     dev = h.device
     if cache.card is None:

@@ -134,6 +134,28 @@ def test_fused_update_equals_the_foreach_update():
         assert_close(got, want, torch.float32)
 
 
+def test_ngram_codes_name_the_last_bytes():
+    from minagi.model import NO_BYTE, ngram_codes
+    idx = torch.tensor([[5, 6, 7]])
+    prev = torch.tensor([[NO_BYTE, 4]])
+    base = 257
+    want = torch.tensor([[(NO_BYTE * base + 4) * base + 5, (4 * base + 5) * base + 6, (5 * base + 6) * base + 7]])
+    assert torch.equal(ngram_codes(idx, prev, 3, 10**9), want)
+    assert torch.equal(ngram_codes(idx, prev, 2, 97), torch.tensor([[4 * base + 5, 5 * base + 6, 6 * base + 7]]) % 97)
+
+
+def test_ngram_tables_learn_and_start_silent():
+    torch.manual_seed(0)
+    plain = ByteModel(small(), context=8)
+    model = ByteModel(small(ngram=3, ngram_buckets=31), context=8)
+    missing = model.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["ngram_embed.0.weight", "ngram_embed.1.weight"]
+    idx, tgt = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+    assert_close(model(idx).logits, plain(idx).logits)  # zero tables: the byte model itself
+    model(idx, tgt).loss.backward()
+    assert all(t.weight.grad.abs().sum() > 0 for t in model.ngram_embed)
+
+
 def test_context_too_long_is_an_error():
     model = ByteModel(small(), context=8)
     with pytest.raises(ValueError, match="context is 8"):

@@ -36,12 +36,14 @@ def _halting_model(seed=0, **kw):
     with torch.no_grad():  # spread halting over rows, so caches must handle halted characters
         model.halt.bias.fill_(0.0)
         model.halt.weight.normal_(std=2.0)
+        for table in model.ngram_embed:  # n-gram tables start at zero: give them a say
+            table.weight.normal_()
     return model
 
 
-@pytest.mark.parametrize("adaptive", [True, False])
-def test_incremental_equals_full_forward(adaptive):
-    model = _halting_model(adaptive_rows=adaptive)
+@pytest.mark.parametrize("adaptive,ngram", [(True, 1), (False, 1), (True, 3)])
+def test_incremental_equals_full_forward(adaptive, ngram):
+    model = _halting_model(adaptive_rows=adaptive, ngram=ngram, ngram_buckets=61)
     idx = torch.randint(0, 256, (1, 24))
     full = model.score(idx)
     cache = model.new_cache()

@@ -12,7 +12,7 @@ import sys
 def doctor() -> int:
     import torch
 
-    from . import _backend
+    from . import _backend, allocator
 
     flavour = "rocm" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else "cpu"
     st = _backend.state()
@@ -33,6 +33,8 @@ def doctor() -> int:
         f"GPU              {gpu}",
         f"threads          torch {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
         f"parallel         {torch.__config__.parallel_info().splitlines()[-1].strip()}",
+        f"allocator        {allocator.describe()}; for training, MINAGI_ALLOCATOR=jemalloc "
+        f"({allocator.find('jemalloc') or 'not found'}) or tcmalloc ({allocator.find('tcmalloc') or 'not found'})",
         f"dispatch (auto)  {'compiled' if st.loaded else 'grouped (pure torch)'}",
         f"env              MINAGI_DISABLE_EXT={os.environ.get('MINAGI_DISABLE_EXT', '')!s} "
         f"MINAGI_REQUIRE_EXT={os.environ.get('MINAGI_REQUIRE_EXT', '')!s}",

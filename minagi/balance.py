@@ -20,7 +20,7 @@ class BalanceInputs:
     admitted_S: torch.Tensor  # pool indices on the card, int64
     n_pool: int
     n_slots: int
-    row_loads: list  # per row, (router logits [N, S], routed load per card slot [S] int64), for load-aware terms
+    row_loads: list  # per row, a pool.RowRoute (router logits, real load per slot, real rows), for load-aware terms
 
 
 class AdmissionBalance:
@@ -46,10 +46,11 @@ class LoadBalance:
 
     def __call__(self, inp: BalanceInputs) -> torch.Tensor:
         terms = []
-        for logits_NS, load_S in inp.row_loads:
-            if logits_NS.shape[0] == 0:
+        for logits_NS, load_S, n_valid in inp.row_loads:
+            if n_valid == 0:
                 continue
-            P_S = torch.softmax(logits_NS.float(), dim=-1).mean(0)
+            # The softmax over every row, then the real ones: the padded sizes stay the only ones.
+            P_S = torch.softmax(logits_NS.float(), dim=-1)[:n_valid].mean(0)
             f_S = load_S.float() / load_S.sum().clamp(min=1)
             terms.append(logits_NS.shape[1] * (f_S * P_S).sum())
         if not terms:

@@ -25,7 +25,22 @@ def save(obj: dict, path: Path) -> None:
     os.replace(tmp, path)  # atomic on POSIX and Windows: readers see the old file or the new one
 
 
-def load(run_dir, map_location="cpu") -> dict:
+def check_writable(out_dir) -> None:
+    """Make out_dir (and its parents) and prove a file can be written there, before any training:
+    a run that cannot save must not find out after its first checkpoint_every steps."""
+    out_dir = Path(out_dir)
+    probe = out_dir / f".minagi-write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"cannot write to the run folder {out_dir} ({type(exc).__name__}: "
+                              f"{exc.strerror or exc}); choose another --out, or fix its permissions") from None
+
+
+def load(run_dir, map_location="cpu", require_finite: bool = True) -> dict:
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT if run_dir.is_dir() or not run_dir.suffix else run_dir
     if not path.exists():
@@ -38,4 +53,12 @@ def load(run_dir, map_location="cpu") -> dict:
                               "it may be truncated or not a minagi checkpoint") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path} is not a minagi checkpoint (no model state or config in it)")
+    if require_finite:
+        from .guard import nonfinite
+
+        bad = nonfinite(ckpt["model"].items())
+        if bad:
+            raise CheckpointError(f"{path} holds non-finite weights ({len(bad)} tensors with NaN or inf, e.g. "
+                                  f"{', '.join(bad[:3])}): it was saved by a run that diverged. Train again "
+                                  "(with a lower train.lr), or use an earlier checkpoint")
     return ckpt

@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import allocator
+from .allocator import AllocatorError
 from .checkpoint import CheckpointError
 from .config import DEFAULT_PROFILE, ConfigError, load
 from .data import DataError
+from .guard import Diverged, Interrupted
 from .plot import PlotError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError)
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -36,6 +39,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 def run_train(argv) -> int:
     args = train_parser().parse_args(argv)
+    allocator.ensure()  # MINAGI_ALLOCATOR: may re-execute this command with the library preloaded
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -45,7 +49,11 @@ def run_train(argv) -> int:
     out = args.out or f"runs/{cfg.profile}"
     from .trainer import train
 
-    record = train(cfg, out, resume=args.resume, progress=not args.quiet)
+    try:
+        record = train(cfg, out, resume=args.resume, progress=not args.quiet)
+    except (Diverged, Interrupted) as exc:
+        print(f"minagi: {exc}", file=sys.stderr)
+        return exc.exit_status
     if record:
         print(f"done: step {record['step']}, held-out {record['heldout_bpc']:.3f} bits/char, "
               f"{record['char_per_s']:,.0f} char/s; checkpoint and history in {out}")

@@ -39,6 +39,9 @@ class ModelConfig:
     # of the last that-many bytes (ngram_buckets rows per order). 1 = the byte alone.
     ngram: int = 1
     ngram_buckets: int = 8191
+    # Pad each row's active characters to _bucket sizes (zero rows, masked out of every result):
+    # few sizes keep the allocator's heap from fragmenting, so resident memory stays flat.
+    bucket_rows: bool = True
 
 
 @dataclass
@@ -58,6 +61,9 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch CPU threads; 0 = every core
+    # Consecutive steps with a non-finite loss or gradient norm (each skipped) before the run
+    # stops with exit status 3; 0 turns the guard off.
+    max_bad_steps: int = 10
 
 
 @dataclass
@@ -195,6 +201,7 @@ def validate(cfg: Config) -> None:
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr_frac <= 1, "train.lr must be > 0 and train.min_lr_frac in [0, 1]"),
         (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),
+        (t.max_bad_steps >= 0, "train.max_bad_steps must be >= 0 (0 turns the divergence guard off)"),
         (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device must be auto, cpu or cuda, got {t.device!r}"),
         (d.context >= 2, "data.context must be >= 2"),
         (d.heldout_every >= 2, "data.heldout_every must be >= 2"),

@@ -178,7 +178,7 @@ def resolve_path(path: str, device: torch.device) -> str:
 
 
 def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_factor: float = 0.0,
-               return_stats: bool = False, bucketed: bool | None = None):
+               return_stats: bool = False, bucketed: bool | None = None, n_valid: int | None = None):
     """Apply the routed experts: y[n] = sum_j gates[n, j] * gelu(x[n] @ w_in[s]) @ w_out[s].
 
     x [N, d]; slot_idx [N, k] int64 in [0, S); gates [N, k]; w_in [S, d, h]; w_out [S, h, d], all
@@ -186,12 +186,18 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_
     ceil(c * N * k / S) pairs, keeping the first in character order, then k order; dropped pairs
     contribute nothing, identically on every path. bucketed (grouped and compiled paths) pads
     each slot's rows to _bucket(load); None takes the path's default (grouped: True; compiled:
-    False on the CPU, True on GPUs). Returns y [N, d], or (y, DispatchStats) with return_stats.
+    False on the CPU, True on GPUs). n_valid: the rows from n_valid on are padding (the model pads
+    a row's characters to _bucket sizes): they come last, so they never take a real pair's place
+    under a cap, and they count in no statistic and not in the cap. Returns y [N, d], or
+    (y, DispatchStats) with return_stats.
     """
     _check_inputs(x, slot_idx, gates, w_in, w_out)
     N, K = slot_idx.shape
     S = w_in.shape[0]
-    cap = capacity(capacity_factor, N, K, S)
+    n_valid = N if n_valid is None else n_valid
+    if not 0 <= n_valid <= N:
+        raise ValueError(f"expert_mlp: n_valid must be in [0, N = {N}], got {n_valid}")
+    cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
     if path == "rectangle":
         y, load_S, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap)
@@ -211,13 +217,19 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_
         groups = len(reference.groups(rows_A)) if return_stats else 0
     if not return_stats:
         return y
-    routed = N * K
-    max_load = int(torch.bincount(slot_idx.reshape(-1), minlength=S).max()) if N else 0
-    stats = DispatchStats(
+    return y, dispatch_stats(slot_idx[:n_valid], S, cap, executed, groups)
+
+
+def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, groups: int) -> DispatchStats:
+    """The statistics of a call from its real characters' routing: a capped slot keeps its first
+    `cap` pairs, so what it drops is what its count passes the cap by."""
+    routed = slot_idx_NK.numel()
+    count_S = torch.bincount(slot_idx_NK.reshape(-1), minlength=S)
+    max_load = int(count_S.max()) if routed else 0
+    return DispatchStats(
         routed_pairs=routed,
-        dropped_pairs=routed - int(load_S.sum()) if load_S is not None else 0,
+        dropped_pairs=int((count_S - cap).clamp(min=0).sum()) if cap else 0,
         executed_rows=int(executed),
         groups=groups,
         max_load_ratio=max_load / (routed / S) if routed else 0.0,
     )
-    return y, stats

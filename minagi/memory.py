@@ -1,6 +1,7 @@
-"""Memory figures for the history file and the samplers: allocated / reserved / peak device
-memory from torch.cuda on CUDA and ROCm; on the CPU the process's resident and peak resident
-memory (allocated = reserved = resident there: the CPU allocator reserves nothing of its own)."""
+"""Memory figures for the history file and the samplers. On CUDA and ROCm the caching
+allocator's mem_allocated / mem_reserved / mem_peak (peak allocated); on the CPU the process's
+resident memory now (mem_rss) and its peak resident memory (mem_peak): the CPU has no caching
+allocator whose figures would say more than the resident set does."""
 from __future__ import annotations
 
 import csv
@@ -45,12 +46,14 @@ def peak_resident_bytes() -> int:
 
 
 def memory_stats(device: torch.device) -> dict:
+    """The history file's memory fields (bytes): GPUs {mem_allocated, mem_reserved, mem_peak};
+    the CPU {mem_rss, mem_peak}."""
     if device.type == "cuda":
         return {"mem_allocated": torch.cuda.memory_allocated(device),
                 "mem_reserved": torch.cuda.memory_reserved(device),
                 "mem_peak": torch.cuda.max_memory_allocated(device)}
     rss = resident_bytes()
-    return {"mem_allocated": rss, "mem_reserved": rss, "mem_peak": max(rss, peak_resident_bytes())}
+    return {"mem_rss": rss, "mem_peak": max(rss, peak_resident_bytes())}
 
 
 # The samplers' CSV (tools/mem_sampler.py here, tools/gpu_mem_sampler.ps1 on Windows): one

@@ -38,8 +38,9 @@ def plot_history(run_dir) -> Path:
     ax.plot(step, [r["char_per_s"] for r in recs], "o-")
     ax.set(title="training char/s", xlabel="step")
     ax = axes[1, 0]
-    for key in ("mem_allocated", "mem_reserved", "mem_peak"):
-        ax.plot(step, [r[key] / 2 ** 30 for r in recs], "o-", label=key[4:])
+    for key in ("mem_rss", "mem_allocated", "mem_reserved", "mem_peak"):  # CPU: rss, peak; GPUs: the rest
+        if all(key in r for r in recs):
+            ax.plot(step, [r[key] / 2 ** 30 for r in recs], "o-", label=key[4:])
     ax.set(title="memory (GiB)", xlabel="step")
     ax.legend()
     ax = axes[1, 1]

@@ -23,6 +23,14 @@ class Card(NamedTuple):
     w_out_SHD: torch.Tensor
 
 
+class RowRoute(NamedTuple):
+    """One call's routing, for a load-aware balance term: the router logits of every row passed
+    (padding included), the real characters' load per slot, and how many rows are real."""
+    logits_NS: torch.Tensor
+    load_S: torch.Tensor  # int64
+    n_valid: int
+
+
 def init_experts(n: int, d_model: int, d_hidden: int, *, device=None, dtype=None, generator=None):
     """Fresh (router [n, d], w_in [n, d, h], w_out [n, h, d]) for n experts."""
     kw = {"device": device, "dtype": dtype}
@@ -47,8 +55,7 @@ class PooledMLP(nn.Module):
         self.last_stats = None
         # Benchmarks set this to impose a routing shape: fn(x_ND, n_slots, top_k) -> (slot_idx, gates).
         self.force_routing = None
-        # A list while a load-aware balance term wants them: (router logits [N, S], load [S]) of
-        # every call, appended in order.
+        # A list while a load-aware balance term wants them: a RowRoute per call, in order.
         self.route_log = None
         if own_card:  # else every forward is handed its card (the model's pool admits one)
             self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
@@ -59,26 +66,32 @@ class PooledMLP(nn.Module):
             raise RuntimeError("this PooledMLP has no card of its own (own_card=False): pass card=...")
         return Card(self.router, self.w_in, self.w_out)
 
-    def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor):
+    def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor, n_valid: int):
         if self.force_routing is not None:
             slot_idx_NK, gates_NK = self.force_routing(x_ND, router_SD.shape[0], self.top_k)
-            return slot_idx_NK, gates_NK, None
+            return slot_idx_NK, gates_NK
         logits_NS = x_ND @ router_SD.t()
         slot_idx_NK, gates_NK, load_S = _ops.best(x_ND.device).routing(logits_NS, self.top_k)
         if self.route_log is not None:
-            self.route_log.append((logits_NS, load_S))
-        return slot_idx_NK, gates_NK, load_S
+            if n_valid < x_ND.shape[0]:  # the padding rows' picks are no one's load
+                load_S = torch.bincount(slot_idx_NK[:n_valid].reshape(-1), minlength=router_SD.shape[0])
+            self.route_log.append(RowRoute(logits_NS, load_S, n_valid))
+        return slot_idx_NK, gates_NK
 
-    def forward(self, x: torch.Tensor, card: Card | None = None, return_stats: bool = False):
-        """x [..., D] -> [..., D]. card: the slots' weights to use instead of this module's own."""
+    def forward(self, x: torch.Tensor, card: Card | None = None, return_stats: bool = False,
+                n_valid: int | None = None):
+        """x [..., D] -> [..., D]. card: the slots' weights to use instead of this module's own.
+        n_valid: x's rows from n_valid on (flattened) are padding, zero rows whose output nobody
+        reads; they count in no load, statistic or capacity."""
         router_SD, w_in_SDH, w_out_SHD = card if card is not None else self.card()
         x_ND = x.reshape(-1, x.shape[-1])
+        n_valid = x_ND.shape[0] if n_valid is None else n_valid
         # Under autocast the activations may be bfloat16 while the card is float32: one dtype.
         router_SD, w_in_SDH, w_out_SHD = (t.to(x_ND.dtype) for t in (router_SD, w_in_SDH, w_out_SHD))
-        slot_idx_NK, gates_NK, _ = self.route(x_ND, router_SD)
+        slot_idx_NK, gates_NK = self.route(x_ND, router_SD, n_valid)
         path = self.path if type(self).grouped_dispatch else "rectangle"
         result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
-                            capacity_factor=self.capacity_factor, return_stats=return_stats)
+                            capacity_factor=self.capacity_factor, return_stats=return_stats, n_valid=n_valid)
         y_ND, stats = result if return_stats else (result, None)
         self.last_stats = stats  # None unless asked for: the statistics cost host syncs
         y = y_ND.view(x.shape)

@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import _backend, checkpoint
+from . import _backend, allocator, checkpoint
 from .config import Config
 from .data import Batches, check_fits, fixed_chunks, load_corpus
 from .dispatch import resolve_path
+from .guard import ADVICE, Diverged, DivergenceGuard, GracefulStop, Interrupted, nonfinite, state_tensors
 from .memory import memory_stats
 from .model import ByteModel
 from .optim import PoolAdamW
@@ -90,13 +90,17 @@ class Window:
     groups: int = 0
     calls: int = 0
     max_load_ratio: float = 0.0
+    skipped: int = 0  # steps the divergence guard skipped
 
-    def add(self, out, loss: float, ce: float, chars: int, seconds: float, max_rows: int) -> None:
+    def add(self, out, loss: float, ce: float, chars: int, seconds: float, max_rows: int, skipped=False) -> None:
+        self.chars += chars
+        self.train_s += seconds
+        if skipped:  # its loss is not finite: no figure of it would mean anything
+            self.skipped += 1
+            return
         self.loss_sum += loss
         self.ce_sum += ce
         self.steps += 1
-        self.chars += chars
-        self.train_s += seconds
         self.rows.append(torch.bincount(out.rows_used.reshape(-1).long().cpu(), minlength=max_rows + 1)[1:])
         for st in out.dispatch:
             self.routed += st.routed_pairs
@@ -119,6 +123,7 @@ class Window:
             "dropped_frac": self.dropped / self.routed if self.routed else 0.0,
             "executed_ratio": self.executed / self.routed if self.routed else 0.0,
             "groups_mean": self.groups / self.calls if self.calls else 0.0,
+            "skipped_steps": self.skipped,
         }
 
 
@@ -170,18 +175,70 @@ def _rewrite_history(path: Path, upto: int, record: dict | None) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
-def _maybe_test_kill(step: int) -> None:
-    """Tests kill a run at a chosen step (SIGKILL: no cleanup, as a crash or a power cut)."""
-    at = os.environ.get("MINAGI_TEST_KILL_AT_STEP")
-    if at and int(at) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+@dataclass
+class StepInfo:
+    """What a callback sees after each optimizer step."""
+    step: int
+    loss: float
+    chars: int  # characters trained on in this step
+    step_s: float  # seconds of this step (forward, backward, update)
+    out_dir: Path
+    skipped: bool = False  # the divergence guard skipped it
 
 
-def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True) -> dict:
-    """Train (or resume) into out_dir; returns the last history record."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint.load(out_dir) if resume else None
+@dataclass
+class Run:
+    """Everything a training run carries from step to step, and what a checkpoint saves of it."""
+    cfg: Config
+    out_dir: Path
+    device: torch.device
+    model: ByteModel
+    opt: PoolAdamW
+    sched: torch.optim.lr_scheduler.LambdaLR
+    batches: Batches
+    path: str  # the dispatch path
+    step: int = 0
+    elapsed0: float = 0.0  # seconds of the run before this process
+    last_bpc: float = float("nan")
+    saved_step: int | None = None  # the step of the checkpoint on disk
+    saved_record: dict | None = None  # its history record
+
+    def state(self, record: dict, window: Window) -> dict:
+        return {
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "step": self.step, "data": self.batches.state(), "config": self.cfg.to_dict(), "record": record,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+            "dispatch": {"path": self.path, "extension": _backend.loaded()},
+            "elapsed_s": record["time_s"],
+            "window": asdict(window),  # empty unless the run stopped between records (a signal)
+        }
+
+    def restore(self, ckpt: dict) -> Window:
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        self.batches.set_state(ckpt["data"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if self.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
+        self.step = self.saved_step = ckpt["step"]
+        self.elapsed0 = ckpt["elapsed_s"]
+        self.saved_record = ckpt.get("record")
+        if self.saved_record:
+            self.last_bpc = self.saved_record["heldout_bpc"]
+        return Window(**ckpt["window"]) if ckpt.get("window") else Window()
+
+    def last_good(self) -> str:
+        return (f"{self.out_dir / checkpoint.CHECKPOINT} (step {self.saved_step})" if self.saved_step is not None
+                else "none: no checkpoint was written yet")
+
+
+def _start(cfg: Config, out_dir: Path, resume: bool):
+    """The run, its window and corpus-derived held-out chunks, and the settings this command gave
+    that a resumed run ignores."""
+    checkpoint.check_writable(out_dir)
+    ckpt = checkpoint.load(out_dir, require_finite=True) if resume else None
     ignored = []
     if ckpt is not None:  # the saved settings win; say which of this command's differ
         saved = Config.from_dict(ckpt["config"])
@@ -195,65 +252,95 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True) -> 
     check_fits(corpus, cfg.data.context)
     model, opt, sched = build(cfg, device)
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed)
-    eval_x, eval_y = fixed_chunks(corpus.heldout, cfg.data.context, cfg.train.eval_chunks, cfg.train.seed + 1)
-    path = resolve_path(cfg.model.dispatch, device)
-    step, elapsed0, last_bpc = 0, 0.0, float("nan")
+    run = Run(cfg, out_dir, device, model, opt, sched, batches, resolve_path(cfg.model.dispatch, device))
     history = out_dir / HISTORY
+    window = Window()
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        batches.set_state(ckpt["data"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-        step, elapsed0 = ckpt["step"], ckpt["elapsed_s"]
-        last_bpc = ckpt["record"]["heldout_bpc"] if ckpt.get("record") else last_bpc
-        _rewrite_history(history, step, ckpt.get("record"))
+        window = run.restore(ckpt)
+        _rewrite_history(history, run.step, ckpt.get("record"))
     elif history.exists():
         history.unlink()  # a fresh run owns its folder's history
-    bar = Progress(cfg.train.steps, step, progress)
+    heldout = fixed_chunks(corpus.heldout, cfg.data.context, cfg.train.eval_chunks, cfg.train.seed + 1)
+    return run, window, heldout, corpus, ignored
+
+
+def _train_step(run: Run, guard: DivergenceGuard):
+    """One optimizer step; returns (output, loss, skipped). A step the guard rejects leaves the
+    parameters and the optimizer (moments, step counts) as they were; the schedule moves on."""
+    x, y = run.batches.next()
+    x, y = x.to(run.device), y.to(run.device)
+    with autocast(run.cfg, run.device):
+        out = run.model(x, y)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip)
+    ok = guard.step_ok(out.loss, grad_norm)
+    if ok:
+        run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    loss = float(out.loss.detach())
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    run.step += 1
+    return out, x.numel(), loss, not ok
+
+
+def _save(run: Run, window: Window, record: dict) -> None:
+    """Checkpoint and history record, unless the state is not finite: then the checkpoint on disk
+    (the last good one) stays, and the run stops."""
+    bad = nonfinite(state_tensors(run.model, run.opt))
+    if bad:
+        raise Diverged(f"at step {run.step} the model or optimizer state is not finite ({len(bad)} tensors, "
+                       f"e.g. {', '.join(bad[:3])}); it was not saved. The last good checkpoint is "
+                       f"{run.last_good()}. {ADVICE}.")
+    checkpoint.save(run.state(record, window), run.out_dir / checkpoint.CHECKPOINT)
+    run.saved_step = run.step
+    with open(run.out_dir / HISTORY, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=()) -> dict:
+    """Train (or resume) into out_dir; returns the last history record. callbacks: functions
+    called with a StepInfo after every step; one that returns True ends the run there, with a
+    checkpoint at that step (as a finished run has). Raises guard.Diverged when the run
+    diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT."""
+    out_dir = Path(out_dir)
+    run, window, (eval_x, eval_y), corpus, ignored = _start(cfg, out_dir, resume)
+    cfg, device, t = run.cfg, run.device, run.cfg.train
+    bar = Progress(t.steps, run.step, progress)
     if ignored:
         bar.write("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
-    bar.write(f"minagi: profile {cfg.profile}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"{device}, dispatch {path}{'' if _backend.loaded() else ' (pure torch)'}; {corpus.describe()}"
-              + (f"; resuming at step {step}" if ckpt is not None else ""))
-    window, t_start, record = Window(), time.perf_counter(), None
-    model.train()
-    while step < cfg.train.steps:
-        t0 = time.perf_counter()
-        x, y = batches.next()
-        x, y = x.to(device), y.to(device)
-        with autocast(cfg, device):
-            out = model(x, y)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = float(out.loss.detach())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step += 1
-        window.add(out, loss, float(out.ce.detach()), x.numel(), time.perf_counter() - t0, cfg.model.max_rows)
-        bar.update(step, loss, window.chars / window.train_s, float(out.rows_used.mean()))
-        if step % cfg.train.eval_every == 0 or step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            last_bpc = heldout_bpc(model, eval_x, eval_y, cfg.train.batch, cfg, device)
-            bar.write(f"step {step}: held-out {last_bpc:.3f} bits/char")
-        if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            record = {"step": step, **window.record(), "heldout_bpc": last_bpc, **memory_stats(device),
-                      "time_s": elapsed0 + time.perf_counter() - t_start}
-            checkpoint.save({
-                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": step, "data": batches.state(), "config": cfg.to_dict(), "record": record,
-                "rng": {"torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                "dispatch": {"path": path, "extension": _backend.loaded()},
-                "elapsed_s": record["time_s"],
-            }, out_dir / checkpoint.CHECKPOINT)
-            with open(history, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            window = Window()
-        _maybe_test_kill(step)
+    bar.write(f"minagi: profile {cfg.profile}, {sum(p.numel() for p in run.model.parameters()):,} parameters, "
+              f"{device}, dispatch {run.path}{'' if _backend.loaded() else ' (pure torch)'}, "
+              f"allocator {allocator.describe()}; {corpus.describe()}"
+              + (f"; resuming at step {run.step}" if resume else ""))
+    guard, t_start, record = DivergenceGuard(t.max_bad_steps), time.perf_counter(), None
+    run.model.train()
+    with GracefulStop() as signals:
+        while run.step < t.steps:
+            t0 = time.perf_counter()
+            out, chars, loss, skipped = _train_step(run, guard)
+            seconds = time.perf_counter() - t0
+            window.add(out, loss, float(out.ce.detach()), chars, seconds, cfg.model.max_rows, skipped)
+            guard.check(run.step, run.last_good())
+            bar.update(run.step, loss, window.chars / window.train_s, float(out.rows_used.mean()))
+            info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped)
+            stop = any([bool(cb(info)) for cb in callbacks]) or signals.requested is not None
+            last = run.step == t.steps or stop
+            if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
+                run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device)
+                bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits/char")
+            if run.step % t.checkpoint_every == 0 or last:
+                # A run stopped between records keeps its window in the checkpoint, so the record
+                # after a resume covers the same steps as an uninterrupted run's.
+                between = run.step % t.checkpoint_every != 0 and run.step != t.steps
+                record = {"step": run.step, **window.record(), "heldout_bpc": run.last_bpc, **memory_stats(device),
+                          "time_s": run.elapsed0 + time.perf_counter() - t_start}
+                _save(run, window if between else Window(), record)
+                window = window if between else Window()
+            if stop:
+                break
     bar.close()
-    return record if record is not None else (ckpt or {}).get("record", {})
+    if signals.requested is not None:
+        raise Interrupted(signals.requested, run.step, out_dir)
+    return record if record is not None else (run.saved_record or {})

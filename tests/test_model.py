@@ -164,11 +164,12 @@ def test_context_too_long_is_an_error():
 
 def test_load_balance_term_sees_the_routing():
     from minagi.balance import BalanceInputs, LoadBalance
+    from minagi.pool import RowRoute
     term = LoadBalance()
     S, N = 8, 64
     uniform = torch.zeros(N, S, requires_grad=True)
     load = torch.full((S,), N * 2 // S)
-    inputs = lambda logits, load: BalanceInputs(torch.ones(N, S) / S, torch.arange(S), S, S, [(logits, load)])  # noqa: E731
+    inputs = lambda logits, load: BalanceInputs(torch.ones(N, S) / S, torch.arange(S), S, S, [RowRoute(logits, load, N)])  # noqa: E731
     assert_close(term(inputs(uniform, load)), torch.tensor(1.0))
     sink = torch.zeros(N, S)
     sink[:, 0] = 5.0
@@ -178,6 +179,10 @@ def test_load_balance_term_sees_the_routing():
     assert float(value) > 2.0  # the sink's load share times its probability
     value.backward()
     assert float(sink.grad[:, 0].sum()) > 0  # descending the term lowers the sink's logit
+    # Padding rows (past n_valid) count for nothing, whatever their logits.
+    padded = torch.cat([sink.detach(), torch.randn(N // 2, S)])
+    assert_close(term(BalanceInputs(torch.ones(N, S) / S, torch.arange(S), S, S, [RowRoute(padded, sink_load, N)])),
+                 value.detach())
 
 
 @pytest.mark.parametrize("path", PATHS)

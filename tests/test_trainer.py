@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=4",
         "model.max_rows=3", "data.context=32", "train.batch=4", "train.eval_chunks=4", "train.warmup=2"]
 HISTORY_FIELDS = {"step", "train_loss", "heldout_bpc", "char_per_s", "rows_mean", "max_load_ratio", "dropped_frac",
-                  "executed_ratio", "groups_mean", "mem_allocated", "mem_reserved", "mem_peak", "time_s"}
+                  "executed_ratio", "groups_mean", "mem_rss", "mem_peak", "time_s"}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,12 @@ def _cli(*args, env_extra=None):
                           text=True, env=env, cwd=ROOT, timeout=600)
 
 
+def _signal_at(step, signals, *args):
+    """The train command, sending itself `signals` (TERM, INT, KILL, comma-separated) after `step`."""
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "signal_at_step.py"), str(step), signals, "--quiet",
+                           *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
 def test_cpu_tiny_smoke_run_heldout_falls(tmp_path):
     cfg = load("cpu-tiny", ["train.steps=30", "train.eval_every=10", "train.checkpoint_every=10",
                             "train.eval_chunks=8"])
@@ -51,7 +57,7 @@ def test_cpu_tiny_smoke_run_heldout_falls(tmp_path):
     assert hist[-1]["heldout_bpc"] < hist[0]["heldout_bpc"] < 8.5
     for rec in hist:
         assert HISTORY_FIELDS <= set(rec)
-        assert rec["char_per_s"] > 0 and rec["mem_peak"] >= rec["mem_allocated"] > 0
+        assert rec["char_per_s"] > 0 and rec["mem_peak"] >= rec["mem_rss"] > 0
         assert 1 <= rec["rows_mean"] <= cfg.model.max_rows and rec["dropped_frac"] == 0
         assert rec["executed_ratio"] >= 1 and rec["groups_mean"] >= 1 and rec["max_load_ratio"] >= 1
     ckpt = checkpoint.load(tmp_path)
@@ -65,8 +71,8 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, text_file):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     r = _cli(*args, "--out", str(whole))
     assert r.returncode == 0, r.stderr
-    r = _cli(*args, "--out", str(killed), env_extra={"MINAGI_TEST_KILL_AT_STEP": "12"})
-    assert r.returncode != 0  # SIGKILL after step 12: the last checkpoint is step 10's
+    r = _signal_at(12, "KILL", *args, "--out", str(killed))
+    assert r.returncode == -9  # SIGKILL after step 12: the last checkpoint is step 10's
     assert [rec["step"] for rec in _history(killed)] == [5, 10]
     r = _cli(*args, "--out", str(killed), "--resume")
     assert r.returncode == 0, r.stderr

@@ -1,0 +1,107 @@
+"""MINAGI_ALLOCATOR=jemalloc|tcmalloc|system: an optional faster host allocator for training.
+
+The default (system: glibc on Linux) keeps resident memory flat because the model pads its
+routing-dependent sizes to _bucket sizes (model.bucket_rows). jemalloc or tcmalloc return freed
+memory to the system on their own and need no such care; asking for one makes the train command
+re-execute itself once with the library in LD_PRELOAD (an allocator cannot be swapped inside a
+running process), then check that it really is loaded. A library that is not there is one line
+on stderr, and the run goes on with the system allocator.
+
+MINAGI_ALLOCATOR_LIB=PATH names the library file instead of looking in the usual folders.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+
+CHOICES = ("system", "jemalloc", "tcmalloc")
+# File names, most specific first: Debian's libjemalloc2 and libtcmalloc-minimal4 packages.
+LIBRARIES = {
+    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
+}
+PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+            "/usr/local/lib", "/opt/homebrew/lib")
+# jemalloc as measured for this project: return memory eagerly, purge from a background thread.
+JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto"
+_REEXEC = "MINAGI_ALLOCATOR_REEXEC"  # set in the re-executed process: never loop
+
+
+class AllocatorError(ValueError):
+    """MINAGI_ALLOCATOR holds a value that is not an allocator minagi knows."""
+
+
+def requested() -> str:
+    value = os.environ.get("MINAGI_ALLOCATOR", "").strip().lower() or "system"
+    if value not in CHOICES:
+        raise AllocatorError(f"MINAGI_ALLOCATOR={os.environ['MINAGI_ALLOCATOR']!r}: use one of {', '.join(CHOICES)}")
+    return value
+
+
+def find(name: str) -> str | None:
+    """Path of the named allocator's library, or None."""
+    explicit = os.environ.get("MINAGI_ALLOCATOR_LIB", "").strip()
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    for folder in LIB_DIRS:
+        for lib in LIBRARIES[name]:
+            if (Path(folder) / lib).is_file():
+                return str(Path(folder) / lib)
+    found = ctypes.util.find_library(name if name == "jemalloc" else "tcmalloc_minimal")
+    return found or None  # a soname: the dynamic loader finds it in its own paths
+
+
+def loaded() -> str:
+    """The allocator in this process: jemalloc or tcmalloc when mapped in, else system."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "system"
+    for name in ("jemalloc", "tcmalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "system"
+
+
+def describe() -> str:
+    """For the startup line and doctor: the allocator in use, and what was asked for if it differs."""
+    have = loaded()
+    try:
+        want = requested()
+    except AllocatorError:
+        want = "invalid"
+    name = "system (glibc)" if have == "system" and sys.platform.startswith("linux") else have
+    return name if want in (have, "system") else f"{name} (MINAGI_ALLOCATOR={want} is not loaded in this process)"
+
+
+def ensure() -> None:
+    """Re-execute this command once with the requested allocator preloaded (Linux only); on any
+    obstacle say so in one line and go on with the system allocator."""
+    want = requested()
+    if want == "system" or loaded() == want:
+        return
+    tag = f"minagi: MINAGI_ALLOCATOR={want}:"
+    if not sys.platform.startswith("linux"):
+        print(f"{tag} preloading works on Linux only; using the system allocator", file=sys.stderr)
+        return
+    if os.environ.get(_REEXEC):
+        print(f"{tag} preloaded {os.environ.get('LD_PRELOAD', '')} but it is not in the process; "
+              "using the system allocator", file=sys.stderr)
+        return
+    path = find(want)
+    if path is None:
+        where = os.environ.get("MINAGI_ALLOCATOR_LIB") or f"{LIBRARIES[want][0]} in {', '.join(LIB_DIRS[:2])}"
+        print(f"{tag} {where} not found (Debian/Ubuntu: apt-get install {PACKAGES[want]}); "
+              "using the system allocator", file=sys.stderr)
+        return
+    env = dict(os.environ, **{_REEXEC: "1"})
+    env["LD_PRELOAD"] = ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)
+    if want == "jemalloc":
+        env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
+    os.execve(sys.executable, argv, env)

@@ -1,0 +1,202 @@
+"""python -m minagi.bench soak: a long training run watched for memory growth and slowdown.
+
+The seed's large run slowed to half speed and crashed as its buffers grew; this is its 45-minute
+check, here. A fresh process trains the profile for --minutes (the run's schedule is set long
+enough that the soak, not the step count, ends it), sampling its resident memory (on GPUs also
+the caching allocator's allocated and reserved bytes) and its step time every --every steps.
+The report: peak resident memory; its slope after warm-up (MB per 1,000 steps, least squares
+over the last 80% of samples: the first 20% are warm-up); throughput drift (char/s of the last
+20% of samples against the first 20% after warm-up); char/s after warm-up. Written to
+OUT/soak.json, drawn to OUT/soak.png, summed up on stdout. MINAGI_ALLOCATOR applies to the
+training process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SAMPLES = "soak_samples.jsonl"
+WARMUP_FRAC = 0.2
+TARGETS = {"peak_rss_mb": 1000.0, "slope_mb_per_kstep": 5.0, "drift": 0.05}  # the default profile's, on the CPU
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minagi.bench soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument("--minutes", type=float, default=20.0, help="how long to train (default 20)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--out", default="runs/soak", help="folder for the run, soak.json and soak.png")
+    p.add_argument("--every", type=int, default=20, help="steps between samples (default 20)")
+    p.add_argument("--data", default=None, help="corpus (default: the profile's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the training process
+    return p
+
+
+# --- the arithmetic (pure functions, tested on synthetic samples) ---------------------------
+
+def after_warmup(samples: list[dict]) -> list[dict]:
+    return samples[int(len(samples) * WARMUP_FRAC):]
+
+
+def slope_per_kstep(steps, values) -> float:
+    """Least-squares slope of values against steps, per 1,000 steps (0 for fewer than 2 points)."""
+    n = len(steps)
+    if n < 2:
+        return 0.0
+    ms, mv = sum(steps) / n, sum(values) / n
+    var = sum((s - ms) ** 2 for s in steps)
+    if var == 0:
+        return 0.0
+    return 1000.0 * sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var
+
+
+def span_char_per_s(samples: list[dict]) -> float:
+    """char/s over a run of consecutive samples, from their cumulative characters and step time."""
+    if len(samples) < 2:
+        return 0.0
+    dt = samples[-1]["train_s"] - samples[0]["train_s"]
+    return (samples[-1]["chars"] - samples[0]["chars"]) / dt if dt > 0 else 0.0
+
+
+def drift(samples: list[dict]) -> float:
+    """char/s of the last 20% of samples over that of the first 20% after warm-up, minus 1."""
+    n = len(samples)
+    fifth = max(2, n // 5)
+    lo = int(n * WARMUP_FRAC)
+    first, last = samples[lo:lo + fifth], samples[n - fifth:]
+    a, b = span_char_per_s(first), span_char_per_s(last)
+    return b / a - 1.0 if a > 0 and b > 0 else 0.0
+
+
+def report(samples: list[dict]) -> dict:
+    if len(samples) < 5:
+        raise RuntimeError(f"the soak took {len(samples)} samples; it needs at least 5 (more --minutes or a "
+                           "smaller --every)")
+    mb = 1 / 2 ** 20
+    post = after_warmup(samples)
+    out = {
+        "samples": len(samples),
+        "steps": samples[-1]["step"],
+        "minutes": samples[-1]["elapsed_s"] / 60,
+        "peak_rss_mb": max(max(s["rss"], s.get("peak_rss", 0)) for s in samples) * mb,
+        "final_rss_mb": samples[-1]["rss"] * mb,
+        "slope_mb_per_kstep": slope_per_kstep([s["step"] for s in post], [s["rss"] * mb for s in post]),
+        "drift": drift(samples),
+        "char_per_s": span_char_per_s(post),
+    }
+    if all(s.get("reserved") is not None for s in samples):
+        out["peak_reserved_mb"] = max(s["reserved"] for s in samples) * mb
+        out["reserved_slope_mb_per_kstep"] = slope_per_kstep([s["step"] for s in post],
+                                                             [s["reserved"] * mb for s in post])
+    return out
+
+
+# --- the training process -------------------------------------------------------------------
+
+class Sampler:
+    """The trainer's callback: a sample every `every` steps, and the end of the soak."""
+
+    def __init__(self, path: Path, every: int, seconds: float, device):
+        self.path, self.every, self.seconds, self.device = path, every, seconds, device
+        self.t0, self.chars, self.train_s = time.perf_counter(), 0, 0.0
+        self.file = open(path, "w")
+
+    def __call__(self, info) -> bool:
+        from ..memory import peak_resident_bytes, resident_bytes
+
+        import torch
+
+        self.chars += info.chars
+        self.train_s += info.step_s
+        elapsed = time.perf_counter() - self.t0
+        done = elapsed >= self.seconds
+        if info.step % self.every == 0 or done:
+            rec = {"step": info.step, "elapsed_s": elapsed, "chars": self.chars, "train_s": self.train_s,
+                   "rss": resident_bytes(), "peak_rss": peak_resident_bytes()}
+            if self.device.type == "cuda":
+                rec.update(allocated=torch.cuda.memory_allocated(self.device),
+                           reserved=torch.cuda.memory_reserved(self.device))
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        return done
+
+
+def child(a) -> int:
+    from .. import allocator
+    from ..config import load
+    from ..trainer import resolve_device, train
+
+    allocator.ensure()
+    overrides = [*a.overrides, f"train.device={a.device}", "train.steps=100000000"]
+    if a.data:
+        overrides.append(f"data.path={a.data}")
+    cfg = load(a.profile, overrides)
+    out = Path(a.out)
+    sampler = Sampler(out / SAMPLES, a.every, a.minutes * 60, resolve_device(cfg.train.device))
+    train(cfg, out / "run", progress=False, callbacks=[sampler])
+    return 0
+
+
+# --- the command ----------------------------------------------------------------------------
+
+def plot(samples: list[dict], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("soak: no PNG (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
+        return None
+    t = [s["elapsed_s"] / 60 for s in samples]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    ax0.plot(t, [s["rss"] / 2 ** 20 for s in samples], label="resident")
+    for key in ("allocated", "reserved"):
+        if all(s.get(key) is not None for s in samples):
+            ax0.plot(t, [s[key] / 2 ** 20 for s in samples], label=f"GPU {key}")
+    ax0.set(title="memory (MB)", xlabel="minutes", ylim=(0, None))
+    ax0.legend()
+    cps = [span_char_per_s(samples[i - 1:i + 1]) for i in range(1, len(samples))]
+    ax1.plot(t[1:], cps)
+    ax1.set(title="char/s between samples", xlabel="minutes", ylim=(0, None))
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    if a.child:
+        return child(a)
+    if a.minutes <= 0 or a.every < 1:
+        print("error: --minutes must be > 0 and --every >= 1", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "minagi.bench", "soak", "--child", *(argv if argv is not None else sys.argv[1:])]
+    print(f"soak: {a.profile} on {a.device} for {a.minutes:g} min in a fresh process "
+          f"(allocator: {os.environ.get('MINAGI_ALLOCATOR', 'system')}), samples every {a.every} steps",
+          file=sys.stderr, flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        print(f"soak: the training process failed (exit status {rc})", file=sys.stderr)
+        return rc
+    samples = [json.loads(line) for line in (out / SAMPLES).read_text().splitlines() if line.strip()]
+    result = {"profile": a.profile, "device": a.device, "minutes_asked": a.minutes,
+              "allocator": os.environ.get("MINAGI_ALLOCATOR", "system"), "overrides": a.overrides,
+              **report(samples), "targets": TARGETS}
+    png = plot(samples, out / "soak.png", f"soak: {a.profile}, {result['allocator']} allocator")
+    (out / "soak.json").write_text(json.dumps({**result, "series": samples}, indent=1))
+    print(f"steps {result['steps']:,} in {result['minutes']:.1f} min; peak resident {result['peak_rss_mb']:,.0f} MB; "
+          f"slope after warm-up {result['slope_mb_per_kstep']:+.2f} MB / 1,000 steps; drift {result['drift']:+.1%}; "
+          f"{result['char_per_s']:,.0f} char/s" + (f"; peak reserved {result['peak_reserved_mb']:,.0f} MB"
+                                                   if "peak_reserved_mb" in result else ""))
+    print(f"wrote {out / 'soak.json'}" + (f" and {png}" if png else ""))
+    return 0

@@ -5,6 +5,7 @@
     python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
     python train.py eval DIR --data PATH
     python train.py plot DIR
+    python train.py routes DIR [--data PATH] [--chunks N] [--json]
 
 The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
 import sys

@@ -1,4 +1,4 @@
-"""python -m minagi doctor | bench ...
+"""python -m minagi COMMAND (the minagi command): train | write | eval | plot | routes | doctor | bench.
 
 doctor: what this install runs on: torch, build flavour, whether minagi._C loaded (and why not),
 which ops have CPU / GPU kernels, threads.
@@ -43,16 +43,48 @@ def doctor() -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:
+USAGE = """usage: minagi COMMAND [options]   (or python -m minagi COMMAND)
+
+  train   train a model (python train.py in a checkout)   minagi train --help
+  write   write text from a checkpoint                     minagi write DIR --chars N
+  eval    bits per character of a checkpoint on your text   minagi eval DIR --data PATH
+  plot    draw a run's history                             minagi plot DIR
+  routes  how a checkpoint routes, row by row              minagi routes DIR
+  doctor  what this install runs on (extension, threads, allocator)
+  bench   benchmarks: dispatch, train, write, quality, soak"""
+
+COMMANDS = ("train", "write", "eval", "plot", "routes", "doctor", "bench")
+
+
+def main(argv=None, prog: str = "python -m minagi") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        return 2 if not argv else 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor":
         return doctor()
-    if argv[:1] == ["bench"]:
+    if cmd == "bench":
         from .bench.__main__ import main as bench_main
 
-        return bench_main(argv[1:])
-    print("usage: python -m minagi doctor | bench <benchmark> [options]", file=sys.stderr)
-    return 2
+        return bench_main(rest)
+    if cmd not in COMMANDS:
+        import difflib
+
+        near = difflib.get_close_matches(cmd, COMMANDS, n=1)
+        print(f"{prog}: unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; "
+              f"the commands are {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    from .cli import main as cli_main
+
+    if cmd == "train":
+        return cli_main(rest, prog=prog, train_prog=f"{prog} train")
+    return cli_main(argv, prog=prog)
+
+
+def entry() -> None:
+    """The minagi console command."""
+    sys.exit(main(prog="minagi"))
 
 
 if __name__ == "__main__":

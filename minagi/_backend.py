@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib import metadata
+from pathlib import Path
 import warnings
 from dataclasses import dataclass
 
@@ -54,12 +56,35 @@ def _try_load() -> BackendState:
 
         importlib.import_module("minagi._C")
     except ImportError as exc:
+        shadowed = installed_build_elsewhere()
+        if shadowed is not None:
+            here = Path(__file__).resolve().parent
+            return BackendState(False, f"minagi._C did not load: the minagi imported here is {here} (a source "
+                                       f"tree without a build), which shadows the installed build in {shadowed.parent}; "
+                                       "run from another directory, or build this tree with "
+                                       "`pip install --no-build-isolation -e .`")
         return BackendState(False, f"minagi._C did not load ({exc}); rebuild with "
                                    "`pip install --no-build-isolation -e .`")
     except OSError as exc:  # a stale build against another torch: undefined symbols
         return BackendState(False, f"minagi._C is broken ({exc}); rebuild it against this torch "
                                    "with `pip install --no-build-isolation -e .`")
     return BackendState(True, "")
+
+
+def installed_build_elsewhere() -> Path | None:
+    """The compiled extension of an installed minagi distribution, when the minagi package
+    imported is another copy (a checkout on sys.path ahead of site-packages), else None."""
+    try:
+        dist = metadata.distribution("minagi")
+    except Exception:  # not installed, or metadata unreadable
+        return None
+    here = Path(__file__).resolve().parent
+    for f in dist.files or ():
+        if len(f.parts) == 2 and f.parts[0] == "minagi" and f.name.startswith("_C.") and f.suffix in (".so", ".pyd"):
+            path = Path(dist.locate_file(f)).resolve()
+            if path.exists() and path.parent != here:
+                return path
+    return None
 
 
 def state() -> BackendState:

@@ -58,6 +58,45 @@ class LoadBalance:
         return torch.stack(terms).mean()
 
 
+class BiasBalance:
+    """Auxiliary-loss-free balancing, in the manner of DeepSeek-V3: each pool expert has a bias
+    (the pool's route_bias buffer) added to its router logit for the top-k choice only; the
+    gates come from the unbiased logits, and no loss term is added. After each optimizer step
+    the bias of every expert that was on the card moves by bias_rate toward an even load:
+    + rate where the expert's load (its routed pairs over the step's rows) was below the card's
+    mean, - rate where above."""
+
+    name = "bias"
+    needs_routes = True
+    adds_bias = True
+
+    def __init__(self):
+        self.pending_P = None  # routed pairs per pool expert since the last update
+        self.seen_P = None  # pool experts that were on the card
+
+    def __call__(self, inp: BalanceInputs) -> torch.Tensor:
+        if inp.row_loads:
+            admitted = inp.admitted_S.to(inp.row_loads[0].load_S.device)
+            if self.pending_P is None:
+                self.pending_P = admitted.new_zeros(inp.n_pool)
+                self.seen_P = admitted.new_zeros(inp.n_pool, dtype=torch.bool)
+            for route in inp.row_loads:
+                self.pending_P.index_add_(0, admitted, route.load_S)
+            self.seen_P[admitted] = True
+        return inp.affinity_NP.new_zeros(()).float()
+
+    @torch.no_grad()
+    def update(self, bias_P: torch.Tensor, rate: float, apply: bool = True) -> None:
+        """Move bias_P (in place) from the loads since the last update, then forget them; a
+        skipped step (apply=False) only forgets them."""
+        pending, seen, self.pending_P, self.seen_P = self.pending_P, self.seen_P, None, None
+        if not apply or pending is None:
+            return
+        idx = seen.nonzero().squeeze(1)
+        load = pending.index_select(0, idx).float()
+        bias_P.index_add_(0, idx.to(bias_P.device), (rate * torch.sign(load.mean() - load)).to(bias_P))
+
+
 class NoBalance:
     name = "none"
 
@@ -65,4 +104,4 @@ class NoBalance:
         return inp.affinity_NP.new_zeros(()).float()
 
 
-BALANCE_TERMS = {"admission": AdmissionBalance, "load": LoadBalance, "none": NoBalance}
+BALANCE_TERMS = {"admission": AdmissionBalance, "load": LoadBalance, "bias": BiasBalance, "none": NoBalance}

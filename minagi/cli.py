@@ -4,6 +4,7 @@
     python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
     python train.py eval DIR --data PATH
     python train.py plot DIR
+    python train.py routes DIR [--data PATH] [--chunks N] [--json]
 
 Errors a user can fix (an unknown profile or key, a bad value, missing data, a corpus too small,
 a missing checkpoint) end with one line saying what to do, and exit status 2.
@@ -16,7 +17,7 @@ import sys
 from . import allocator
 from .allocator import AllocatorError
 from .checkpoint import CheckpointError
-from .config import DEFAULT_PROFILE, ConfigError, load
+from .config import DEFAULT_PROFILE, ConfigError, load, profile_names
 from .data import DataError
 from .guard import Diverged, Interrupted
 from .plot import PlotError
@@ -24,9 +25,15 @@ from .plot import PlotError
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError)
 
 
+# How the commands are called, for usage lines and hints: train.py trains without a subcommand;
+# the minagi command (python -m minagi) names every one (minagi train, minagi write, ...).
+PROG = {"train": "python train.py", "sub": "python train.py"}
+
+
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python train.py", description="Train a minagi byte model.")
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name in profiles/ or a .toml path (default {DEFAULT_PROFILE})")
+    p = argparse.ArgumentParser(prog=PROG["train"], description="Train a minagi byte model.")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"a packaged profile ({', '.join(profile_names())}) "
+                   f"or a path to a .toml file (default {DEFAULT_PROFILE})")
     p.add_argument("--data", default=None, help="a text file or a folder of text files (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="run folder for checkpoint.pt and history.jsonl (default runs/PROFILE)")
     p.add_argument("--steps", type=int, default=None, help="length of the whole run, schedule included (= --set train.steps=N)")
@@ -51,8 +58,11 @@ def run_train(argv) -> int:
 
     try:
         record = train(cfg, out, resume=args.resume, progress=not args.quiet)
-    except (Diverged, Interrupted) as exc:
+    except Diverged as exc:
         print(f"minagi: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except Interrupted as exc:
+        print(f"minagi: {exc} Resume with: {PROG['train']} --resume --out {out}", file=sys.stderr)
         return exc.exit_status
     if record:
         print(f"done: step {record['step']}, held-out {record['heldout_bpc']:.3f} bits/char, "
@@ -61,7 +71,7 @@ def run_train(argv) -> int:
 
 
 def run_write(argv) -> int:
-    p = argparse.ArgumentParser(prog="python train.py write", description="Write text from a checkpoint.")
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} write", description="Write text from a checkpoint.")
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
     p.add_argument("--prompt", default="", help="text to continue (default: start from a newline)")
     p.add_argument("--chars", type=int, default=400, help="characters (bytes) to write")
@@ -80,7 +90,7 @@ def run_write(argv) -> int:
 
 
 def run_eval(argv) -> int:
-    p = argparse.ArgumentParser(prog="python train.py eval", description="Bits per character of a checkpoint on your text.")
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per character of a checkpoint on your text.")
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
     p.add_argument("--data", required=True, help="a text file or a folder of them: every byte is scored")
     p.add_argument("--device", default="cpu")
@@ -98,17 +108,31 @@ def run_eval(argv) -> int:
 def run_plot(argv) -> int:
     from .plot import plot_history
 
-    p = argparse.ArgumentParser(prog="python train.py plot", description="Draw DIR/history.jsonl into DIR/history.png.")
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} plot", description="Draw DIR/history.jsonl into DIR/history.png.")
     p.add_argument("run", metavar="DIR")
     print(plot_history(p.parse_args(argv).run))
     return 0
 
 
-COMMANDS = {"write": run_write, "eval": run_eval, "plot": run_plot}
+def run_routes(argv) -> int:
+    from .routes import main as routes
+
+    try:
+        return routes(argv)
+    except ValueError as exc:
+        if isinstance(exc, USER_ERRORS):
+            raise
+        raise ConfigError(str(exc)) from exc
 
 
-def main(argv=None) -> int:
+COMMANDS = {"write": run_write, "eval": run_eval, "plot": run_plot, "routes": run_routes}
+
+
+def main(argv=None, prog: str = "python train.py", train_prog: str | None = None) -> int:
+    """train.py's entry (and the minagi command's, through minagi.__main__): a subcommand of
+    COMMANDS, else training."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    PROG.update(train=train_prog or prog, sub=prog)
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])

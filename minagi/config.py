@@ -4,11 +4,11 @@ rejected with the close matches named. The resolved config travels with every ch
 from __future__ import annotations
 
 import difflib
+from importlib import resources
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "cpu-tiny"
 
 
@@ -31,6 +31,7 @@ class ModelConfig:
     halt_epsilon: float = 0.01  # a character halts once its halting sum reaches 1 - epsilon
     balance: str = "admission"  # the balance term (minagi.balance.BALANCE_TERMS)
     balance_coef: float = 0.01
+    bias_rate: float = 1e-3  # balance = "bias": how far a routing bias moves per step
     dispatch: str = "auto"  # expert_mlp path
     dtype: str = "float32"  # float32 | bfloat16 (autocast on GPUs)
     pool_device: str = ""  # "" = the compute device; "cpu" keeps the pool in host memory
@@ -144,15 +145,29 @@ def _set(cfg: Config, section: str, key: str, value, source: str) -> None:
     setattr(sec, key, _coerce(value, types[key], f"{section}.{key} (from {source})"))
 
 
-def profile_path(name: str) -> Path:
+def _packaged(name: str):
+    """A profile shipped in the package (minagi/profiles/NAME.toml), found from any install."""
+    return resources.files("minagi").joinpath("profiles", f"{name}.toml")
+
+
+def profile_names() -> list[str]:
+    folder = resources.files("minagi").joinpath("profiles")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def profile_path(name: str):
+    """A .toml path as given, else the packaged profile of that name (a Traversable)."""
     p = Path(name)
-    if p.suffix == ".toml" and p.exists():
+    if p.suffix == ".toml":
+        if not p.is_file():
+            raise ConfigError(f"profile file {name} does not exist")
         return p
-    p = PROFILE_DIR / f"{name}.toml"
-    if not p.exists():
-        names = sorted(q.stem for q in PROFILE_DIR.glob("*.toml"))
-        raise ConfigError(f"unknown profile {name!r}{_close(name, names)}; the profiles are {', '.join(names)}")
-    return p
+    packaged = _packaged(name)
+    if not packaged.is_file():
+        names = profile_names()
+        raise ConfigError(f"unknown profile {name!r}{_close(name, names)}; the profiles are {', '.join(names)} "
+                          "(or give a path to a .toml file)")
+    return packaged
 
 
 def load(profile: str = DEFAULT_PROFILE, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -162,7 +177,7 @@ def load(profile: str = DEFAULT_PROFILE, overrides: list[str] | tuple[str, ...] 
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {path} is not valid TOML: {exc}") from exc
-    cfg = Config(profile=path.stem)
+    cfg = Config(profile=path.name.removesuffix(".toml"))
     for section, table in raw.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section]{_close(section, SECTIONS)}")
@@ -192,6 +207,7 @@ def validate(cfg: Config) -> None:
         (m.d_hidden >= 1, "model.d_hidden must be >= 1"),
         (1 <= m.n_slots <= m.n_pool, f"model.n_slots ({m.n_slots}) must be in [1, model.n_pool = {m.n_pool}]"),
         (1 <= m.top_k <= m.n_slots, f"model.top_k ({m.top_k}) must be in [1, model.n_slots = {m.n_slots}]"),
+        (m.bias_rate >= 0, "model.bias_rate must be >= 0"),
         (m.capacity_factor >= 0, "model.capacity_factor must be >= 0 (0 = uncapped)"),
         (0 < m.halt_epsilon < 1, "model.halt_epsilon must be in (0, 1)"),
         (1 <= m.ngram <= 4, f"model.ngram must be in [1, 4] (1 = bytes alone), got {m.ngram}"),

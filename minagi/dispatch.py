@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,16 +35,48 @@ PATHS = ("auto", "rectangle", "grouped", "compiled")
 
 @dataclass
 class DispatchStats:
-    routed_pairs: int  # N * K
+    routed_pairs: int  # N * K, the real characters' (padding rows count nowhere)
     dropped_pairs: int  # pairs past a slot's capacity
     executed_rows: int  # rows multiplied, padding included
     groups: int  # batched-matmul groups (1 for the rectangle)
     max_load_ratio: float  # busiest slot's routed load / fair share N * K / S
+    top_k: int = 1
+    capacity: int = 0  # pairs a slot may keep (0 = uncapped)
+    slot_load: list = field(default_factory=list)  # routed pairs per slot (before the cap)
 
     @property
     def executed_ratio(self) -> float:
         """executed rows / routed pairs: 1.0 is no padding, ~15 is the seed's sink rectangle."""
         return self.executed_rows / self.routed_pairs if self.routed_pairs else 0.0
+
+    @property
+    def n_chars(self) -> int:
+        return self.routed_pairs // self.top_k if self.top_k else 0
+
+    @property
+    def sink_share(self) -> float:
+        """The busiest slot's characters over all characters (a slot takes a character once):
+        top_k / S when uniform, 1.0 when every character picks it."""
+        return max(self.slot_load) / self.n_chars if self.n_chars and self.slot_load else 0.0
+
+    @property
+    def load_entropy(self) -> float:
+        """Entropy of the load over the slots, over log(S): 1 = uniform, 0 = one slot."""
+        total, S = sum(self.slot_load), len(self.slot_load)
+        if not total or S < 2:
+            return 0.0
+        return -sum(c / total * math.log(c / total) for c in self.slot_load if c) / math.log(S)
+
+    @property
+    def dead_slots(self) -> int:
+        return sum(1 for c in self.slot_load if c == 0)
+
+    @property
+    def rectangle_rows(self) -> int:
+        """Rows the rectangle dispatch would multiply for this call: every slot at the busiest
+        slot's kept load."""
+        top = max(self.slot_load, default=0)
+        return len(self.slot_load) * (min(top, self.capacity) if self.capacity else top)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "executed_ratio": self.executed_ratio}
@@ -200,7 +232,7 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_
     cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
     if path == "rectangle":
-        y, load_S, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap)
+        y, _, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap)
     else:
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
         if bucketed is None:
@@ -211,9 +243,9 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_
             # Python autograd wrapper that registered ops pass through (~20 us per call).
             with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():
                 y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out)
-            load_S, executed = None, N * K  # nothing dropped, nothing padded
+            executed = N * K  # nothing dropped, nothing padded
         else:
-            y, load_S, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed)
+            y, _, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed)
         groups = len(reference.groups(rows_A)) if return_stats else 0
     if not return_stats:
         return y
@@ -224,7 +256,7 @@ def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, g
     """The statistics of a call from its real characters' routing: a capped slot keeps its first
     `cap` pairs, so what it drops is what its count passes the cap by."""
     routed = slot_idx_NK.numel()
-    count_S = torch.bincount(slot_idx_NK.reshape(-1), minlength=S)
+    count_S = torch.bincount(slot_idx_NK.reshape(-1), minlength=S).cpu()  # one copy from a GPU
     max_load = int(count_S.max()) if routed else 0
     return DispatchStats(
         routed_pairs=routed,
@@ -232,4 +264,7 @@ def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, g
         executed_rows=int(executed),
         groups=groups,
         max_load_ratio=max_load / (routed / S) if routed else 0.0,
+        top_k=slot_idx_NK.shape[1],
+        capacity=cap,
+        slot_load=count_S.tolist(),
     )

@@ -25,8 +25,7 @@ class Interrupted(Exception):
     def __init__(self, signum: int, step: int, out_dir):
         self.signum, self.step, self.out_dir = signum, step, out_dir
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at step {step}; checkpoint written. Resume with: "
-                         f"python train.py --resume --out {out_dir}")
+        super().__init__(f"stopped by {name} at step {step}; checkpoint written.")
 
     @property
     def exit_status(self) -> int:

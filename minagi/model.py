@@ -8,6 +8,7 @@ width, P pool experts, S card slots, R rows.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -76,6 +77,9 @@ class ExpertPool(nn.Module):
         self.n_pool, self.n_slots = cfg.n_pool, cfg.n_slots
         self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(cfg.n_pool, cfg.d_model, cfg.d_hidden))
         self.last_admitted = None  # pool rows on the card in the last forward: the optimizer's mask
+        if BALANCE_TERMS[cfg.balance].__dict__.get("adds_bias"):
+            # Bias balancing: per pool expert, added to its router logit for the choice only.
+            self.register_buffer("route_bias", torch.zeros(cfg.n_pool))
 
     def admit(self, x_ND: torch.Tensor, device: torch.device):
         """(card on `device`, admitted pool rows [S], affinity [N, P])."""
@@ -91,6 +95,11 @@ class ExpertPool(nn.Module):
             card = Card(*(t.index_select(0, rows).to(device) for t in (self.router, self.w_in, self.w_out)))
         self.last_admitted = admitted_S
         return Card(*(t.to(device) for t in card)), admitted_S, aff_NP
+
+    def card_bias(self, admitted_S: torch.Tensor, device: torch.device):
+        """The admitted experts' routing biases [S] on `device`, or None without bias balancing."""
+        bias = getattr(self, "route_bias", None)
+        return None if bias is None else bias.index_select(0, admitted_S.to(bias.device)).to(device)
 
 
 @dataclass
@@ -154,14 +163,16 @@ class ByteModel(nn.Module):
             h = h + table(ngram_codes(idx_BT, prev_BP, order, self.cfg.ngram_buckets))
         return h
 
-    def _mlp(self, x_BTD, card, active_BT, stats):
+    def _mlp(self, x_BTD, card, active_BT, stats, bias_S=None):
         """The pooled MLP on the active characters only; halted ones get no update. Dispatch
-        statistics are appended to `stats` unless it is None (decoding skips their host syncs)."""
+        statistics are appended to `stats` unless it is None (decoding skips their host syncs).
+        bias_S: the card's routing biases (bias balancing) or None."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         want = stats is not None
+        mlp = functools.partial(self.mlp, card=card, route_bias=bias_S)
         if active_BT is None or bool(active_BT.all()):
-            y_ND, st = self.mlp(x_ND, card=card, return_stats=True) if want else (self.mlp(x_ND, card=card), None)
+            y_ND, st = mlp(x_ND, return_stats=True) if want else (mlp(x_ND), None)
             if want:
                 stats.append(st)
             return y_ND.view(B, T, D)
@@ -172,7 +183,7 @@ class ByteModel(nn.Module):
         # absorbing the padding rows' outputs, which are cut off with it.
         sel = torch.cat([sel, sel.new_full((n_pad - n,), B * T)]) if n_pad > n else sel
         x_sel = F.pad(x_ND, (0, 0, 0, 1)).index_select(0, sel) if n_pad > n else x_ND.index_select(0, sel)
-        y_sel, st = self.mlp(x_sel, card=card, return_stats=True, n_valid=n) if want else (self.mlp(x_sel, card=card, n_valid=n), None)
+        y_sel, st = mlp(x_sel, return_stats=True, n_valid=n) if want else (mlp(x_sel, n_valid=n), None)
         if want:
             stats.append(st)
         y_ND = x_ND.new_zeros(B * T + (n_pad > n), D).index_copy(0, sel, y_sel.to(x_ND.dtype))
@@ -209,6 +220,7 @@ class ByteModel(nn.Module):
         h = self.embed_bytes(idx_BT)
         dev = h.device
         card, admitted, aff_NP = self.pool.admit(h.reshape(B * T, -1), dev)
+        bias_S = self.pool.card_bias(admitted, dev)
         cos, sin = self.rotary_tables(T, dev, h.dtype)
         adaptive = cfg.adaptive_rows
         active = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -222,7 +234,7 @@ class ByteModel(nn.Module):
         for r in range(cfg.max_rows):
             u = h + self.row_embed[r].to(h.dtype)
             a = u + self.attn(self.norm_attn(u), cos, sin)
-            new = a + self._mlp(self.norm_mlp(a), card, active if adaptive else None, stats)
+            new = a + self._mlp(self.norm_mlp(a), card, active if adaptive else None, stats, bias_S)
             rows_used = rows_used + active.float()
             if not adaptive:
                 h = new
@@ -243,6 +255,13 @@ class ByteModel(nn.Module):
         loss = ce + (cfg.ponder_cost * ponder if adaptive else 0.0) + cfg.balance_coef * balance
         result.loss, result.ce, result.ponder, result.balance = loss, ce, ponder.detach(), balance.detach()
         return result
+
+    def balance_step(self, applied: bool = True) -> None:
+        """After an optimizer step (applied=False: a step the divergence guard skipped): the
+        balance term's own update outside the gradient (bias balancing moves its biases)."""
+        update = getattr(self.balance_term, "update", None)
+        if update is not None:
+            update(self.pool.route_bias, self.cfg.bias_rate, apply=applied)
 
     def new_cache(self) -> "RowCache":
         return RowCache(self)
@@ -289,6 +308,7 @@ class RowCache:
         self.prev = None  # [B, ngram - 1]: the bytes before the next character, for its n-grams
         self.window = model.context
         self.card = None  # the card admitted for this stream (from its first characters)
+        self.card_bias = None  # its routing biases (bias balancing)
         # The dense weights transposed, [in, out] row-major: a one-row product then streams each
         # weight once (x @ w_t runs ~1.7x faster than F.linear from a cold cache). Like the
         # card, they belong to the weights the cache was made with.
@@ -345,7 +365,8 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
     B, _, D = h.shape
     dev = h.device
     if cache.card is None:
-        cache.card, _, _ = model.pool.admit(h.reshape(B, D), dev)
+        cache.card, admitted, _ = model.pool.admit(h.reshape(B, D), dev)
+        cache.card_bias = model.pool.card_bias(admitted, dev)
     cos, sin = model.rotary_tables(1, dev, h.dtype, offset=cache.pos)
     active = torch.ones(B, 1, dtype=torch.bool, device=dev)
     cum = torch.zeros(B, 1, device=dev)
@@ -362,7 +383,7 @@ def _step_impl(model: ByteModel, idx_B1: torch.Tensor, cache: RowCache) -> Model
         y = F.scaled_dot_product_attention(q, *cache.keys_values(r))  # every cached position is earlier
         a = u + y.transpose(1, 2).reshape(B, 1, D) @ cache.proj_t
         new = a + model._mlp(model.norm_mlp(a), cache.card, active if cfg.adaptive_rows else None,
-                             stats if cache.track_stats else None)
+                             stats if cache.track_stats else None, cache.card_bias)
         rows_used = rows_used + active.float()
         if not cfg.adaptive_rows:
             h = new

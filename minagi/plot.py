@@ -1,5 +1,6 @@
 """python -m minagi.plot DIR (or python train.py plot DIR): the history file drawn into
-DIR/history.png: held-out and train bits per character, char/s, memory, max load ratio.
+DIR/history.png: held-out and train bits per character, char/s, memory, load ratios, and the
+routing's health (first-row sink share and load entropy, dead slots).
 matplotlib is an optional extra: pip install matplotlib (or -e ".[plot]")."""
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def plot_history(run_dir) -> Path:
     if not recs:
         raise PlotError(f"{hist_path} has no records yet")
     step = [r["step"] for r in recs]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
     ax = axes[0, 0]
     ax.plot(step, [r["heldout_bpc"] for r in recs], "o-", label="held-out")
     ax.plot(step, [r.get("train_bpc", r["train_loss"] / 0.6931471805599453) for r in recs], "s--", label="train")
@@ -44,10 +45,22 @@ def plot_history(run_dir) -> Path:
     ax.set(title="memory (GiB)", xlabel="step")
     ax.legend()
     ax = axes[1, 1]
-    ax.plot(step, [r["max_load_ratio"] for r in recs], "o-", label="max load / fair share")
-    ax.plot(step, [r["executed_ratio"] for r in recs], "s--", label="executed / routed rows")
-    ax.set(title="routing", xlabel="step")
+    for key, style, label in (("load_ratio", "o-", "first row: busiest / fair share"),
+                              ("max_load_ratio", "^:", "max busiest / fair (calls >= n_slots chars)"),
+                              ("executed_ratio", "s--", "executed / routed rows")):
+        if all(key in r for r in recs):
+            ax.plot(step, [r[key] for r in recs], style, label=label)
+    ax.set(title="load", xlabel="step")
     ax.legend()
+    ax = axes[0, 2]
+    if all("sink_share" in r for r in recs):  # histories from before these fields have none
+        ax.plot(step, [r["sink_share"] for r in recs], "o-", label="sink share (first row)")
+        ax.plot(step, [r["load_entropy"] for r in recs], "s--", label="load entropy / log(slots)")
+        ax.set(ylim=(0, 1.05))
+        ax.legend()
+        axes[1, 2].plot(step, [r["dead_slots"] for r in recs], "o-")
+    ax.set(title="routing health", xlabel="step")
+    axes[1, 2].set(title="dead slots (no pair in the window)", xlabel="step")
     fig.suptitle(str(run_dir))
     out = run_dir / "history.png"
     fig.savefig(out, dpi=100)

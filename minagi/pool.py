@@ -66,12 +66,18 @@ class PooledMLP(nn.Module):
             raise RuntimeError("this PooledMLP has no card of its own (own_card=False): pass card=...")
         return Card(self.router, self.w_in, self.w_out)
 
-    def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor, n_valid: int):
+    def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor, n_valid: int, route_bias_S=None):
         if self.force_routing is not None:
             slot_idx_NK, gates_NK = self.force_routing(x_ND, router_SD.shape[0], self.top_k)
             return slot_idx_NK, gates_NK
         logits_NS = x_ND @ router_SD.t()
-        slot_idx_NK, gates_NK, load_S = _ops.best(x_ND.device).routing(logits_NS, self.top_k)
+        ops = _ops.best(x_ND.device)
+        if route_bias_S is None:
+            slot_idx_NK, gates_NK, load_S = ops.routing(logits_NS, self.top_k)
+        else:  # the bias picks the slots; the gates are the unbiased logits' softmax over them
+            with torch.no_grad():
+                slot_idx_NK, _, load_S = ops.routing(logits_NS.float() + route_bias_S.float(), self.top_k)
+            gates_NK = torch.softmax(logits_NS.gather(1, slot_idx_NK), dim=-1)
         if self.route_log is not None:
             if n_valid < x_ND.shape[0]:  # the padding rows' picks are no one's load
                 load_S = torch.bincount(slot_idx_NK[:n_valid].reshape(-1), minlength=router_SD.shape[0])
@@ -79,16 +85,17 @@ class PooledMLP(nn.Module):
         return slot_idx_NK, gates_NK
 
     def forward(self, x: torch.Tensor, card: Card | None = None, return_stats: bool = False,
-                n_valid: int | None = None):
+                n_valid: int | None = None, route_bias: torch.Tensor | None = None):
         """x [..., D] -> [..., D]. card: the slots' weights to use instead of this module's own.
         n_valid: x's rows from n_valid on (flattened) are padding, zero rows whose output nobody
-        reads; they count in no load, statistic or capacity."""
+        reads; they count in no load, statistic or capacity. route_bias [S]: added to the router
+        logits for the choice of slots only (bias balancing)."""
         router_SD, w_in_SDH, w_out_SHD = card if card is not None else self.card()
         x_ND = x.reshape(-1, x.shape[-1])
         n_valid = x_ND.shape[0] if n_valid is None else n_valid
         # Under autocast the activations may be bfloat16 while the card is float32: one dtype.
         router_SD, w_in_SDH, w_out_SHD = (t.to(x_ND.dtype) for t in (router_SD, w_in_SDH, w_out_SHD))
-        slot_idx_NK, gates_NK = self.route(x_ND, router_SD, n_valid)
+        slot_idx_NK, gates_NK = self.route(x_ND, router_SD, n_valid, route_bias)
         path = self.path if type(self).grouped_dispatch else "rectangle"
         result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
                             capacity_factor=self.capacity_factor, return_stats=return_stats, n_valid=n_valid)

@@ -23,6 +23,7 @@ from .model import ByteModel
 from .optim import PoolAdamW
 
 HISTORY = "history.jsonl"
+SINK_WARNING = 0.5  # first-row sink_share past which the run warns (once)
 LN2 = math.log(2)
 
 
@@ -89,8 +90,14 @@ class Window:
     executed: int = 0
     groups: int = 0
     calls: int = 0
-    max_load_ratio: float = 0.0
+    max_load_ratio: float = 0.0  # over calls with at least n_slots characters
     skipped: int = 0  # steps the divergence guard skipped
+    # The first row's routing (every character active), summed over the window's steps.
+    first_rows: int = 0
+    sink_share: float = 0.0
+    load_ratio: float = 0.0
+    load_entropy: float = 0.0
+    slot_load: list = field(default_factory=list)  # pairs per card slot, every row of every step
 
     def add(self, out, loss: float, ce: float, chars: int, seconds: float, max_rows: int, skipped=False) -> None:
         self.chars += chars
@@ -108,17 +115,32 @@ class Window:
             self.executed += st.executed_rows
             self.groups += st.groups
             self.calls += 1
-            self.max_load_ratio = max(self.max_load_ratio, st.max_load_ratio)
+            # A call of a handful of characters says nothing of the load: one character alone
+            # is always at n_slots / top_k times the fair share.
+            if st.n_chars >= len(st.slot_load):
+                self.max_load_ratio = max(self.max_load_ratio, st.max_load_ratio)
+            self.slot_load = [a + b for a, b in zip(self.slot_load, st.slot_load)] if self.slot_load else list(st.slot_load)
+        if out.dispatch:
+            first = out.dispatch[0]
+            self.first_rows += 1
+            self.sink_share += first.sink_share
+            self.load_ratio += first.max_load_ratio
+            self.load_entropy += first.load_entropy
 
     def record(self) -> dict:
         hist = torch.stack(self.rows).sum(0).double() if self.rows else torch.zeros(1)
         n = float(hist.sum()) or 1.0
+        firsts = max(1, self.first_rows)
         return {
             "train_loss": self.loss_sum / max(1, self.steps),  # nats, ponder and balance included
             "train_bpc": self.ce_sum / max(1, self.steps) / LN2,
             "char_per_s": self.chars / self.train_s if self.train_s else 0.0,
             "rows_mean": float((hist * torch.arange(1, hist.numel() + 1)).sum() / n),
             "rows_hist": [round(float(c) / n, 4) for c in hist],  # share of characters using 1, 2, ... rows
+            "sink_share": self.sink_share / firsts,
+            "load_ratio": self.load_ratio / firsts,
+            "load_entropy": self.load_entropy / firsts,
+            "dead_slots": sum(1 for c in self.slot_load if c == 0),
             "max_load_ratio": self.max_load_ratio,
             "dropped_frac": self.dropped / self.routed if self.routed else 0.0,
             "executed_ratio": self.executed / self.routed if self.routed else 0.0,
@@ -184,6 +206,7 @@ class StepInfo:
     step_s: float  # seconds of this step (forward, backward, update)
     out_dir: Path
     skipped: bool = False  # the divergence guard skipped it
+    rows_mean: float = 0.0  # rows per character (adaptive rows: fewer as the model learns)
 
 
 @dataclass
@@ -265,7 +288,7 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
 
 
 def _train_step(run: Run, guard: DivergenceGuard):
-    """One optimizer step; returns (output, loss, skipped). A step the guard rejects leaves the
+    """One optimizer step; returns (output, characters, loss, skipped). A step the guard rejects leaves the
     parameters and the optimizer (moments, step counts) as they were; the schedule moves on."""
     x, y = run.batches.next()
     x, y = x.to(run.device), y.to(run.device)
@@ -276,6 +299,7 @@ def _train_step(run: Run, guard: DivergenceGuard):
     ok = guard.step_ok(out.loss, grad_norm)
     if ok:
         run.opt.step()
+    run.model.balance_step(applied=ok)
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
     loss = float(out.loss.detach())
@@ -299,6 +323,32 @@ def _save(run: Run, window: Window, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _checkpoint(run: Run, window: Window, t_start: float):
+    """The history record and checkpoint at this step; returns (record, the window to go on
+    with). A run stopped between records keeps its window in the checkpoint, so the record after
+    a resume covers the same steps as an uninterrupted run's."""
+    between = run.step % run.cfg.train.checkpoint_every != 0 and run.step != run.cfg.train.steps
+    record = {"step": run.step, **window.record(), "heldout_bpc": run.last_bpc, **memory_stats(run.device),
+              "time_s": run.elapsed0 + time.perf_counter() - t_start}
+    window = window if between else Window()
+    _save(run, window, record)
+    return record, window
+
+
+class SinkWatch:
+    """Warns once per run when a record's first-row sink_share passes SINK_WARNING."""
+
+    def __init__(self, bar: Progress, out_dir: Path):
+        self.bar, self.out_dir, self.warned = bar, out_dir, False
+
+    def check(self, record: dict) -> None:
+        if record["sink_share"] > SINK_WARNING and not self.warned:
+            self.warned = True
+            self.bar.write(f"minagi: warning: at step {record['step']} one slot takes {record['sink_share']:.0%} of "
+                           f"the characters at the first row (a sink); the routes command shows it row by row "
+                           f"(routes {self.out_dir}); see model.balance")
+
+
 def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=()) -> dict:
     """Train (or resume) into out_dir; returns the last history record. callbacks: functions
     called with a StepInfo after every step; one that returns True ends the run there, with a
@@ -314,7 +364,7 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
               f"{device}, dispatch {run.path}{'' if _backend.loaded() else ' (pure torch)'}, "
               f"allocator {allocator.describe()}; {corpus.describe()}"
               + (f"; resuming at step {run.step}" if resume else ""))
-    guard, t_start, record = DivergenceGuard(t.max_bad_steps), time.perf_counter(), None
+    guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, out_dir), time.perf_counter(), None
     run.model.train()
     with GracefulStop() as signals:
         while run.step < t.steps:
@@ -323,21 +373,17 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
             seconds = time.perf_counter() - t0
             window.add(out, loss, float(out.ce.detach()), chars, seconds, cfg.model.max_rows, skipped)
             guard.check(run.step, run.last_good())
-            bar.update(run.step, loss, window.chars / window.train_s, float(out.rows_used.mean()))
-            info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped)
+            rows_mean = float(out.rows_used.mean())
+            bar.update(run.step, loss, window.chars / window.train_s, rows_mean)
+            info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped, rows_mean)
             stop = any([bool(cb(info)) for cb in callbacks]) or signals.requested is not None
             last = run.step == t.steps or stop
             if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
                 run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device)
                 bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits/char")
             if run.step % t.checkpoint_every == 0 or last:
-                # A run stopped between records keeps its window in the checkpoint, so the record
-                # after a resume covers the same steps as an uninterrupted run's.
-                between = run.step % t.checkpoint_every != 0 and run.step != t.steps
-                record = {"step": run.step, **window.record(), "heldout_bpc": run.last_bpc, **memory_stats(device),
-                          "time_s": run.elapsed0 + time.perf_counter() - t_start}
-                _save(run, window if between else Window(), record)
-                window = window if between else Window()
+                record, window = _checkpoint(run, window, t_start)
+                sinks.check(record)
             if stop:
                 break
     bar.close()

@@ -121,6 +121,21 @@ def test_soak_drift_compares_last_fifth_with_first_fifth_after_warm_up():
     assert abs(soak.drift(s)) < 1e-9
 
 
+def test_soak_work_drift_sees_through_fewer_rows():
+    # The model halts sooner: 4 rows a character, then 2, at twice the char/s. char/s drifts
+    # +100%; character-rows per second, the work, does not move.
+    s = _samples(100, lambda i: 500, lambda i: 1e4 if i < 60 else 2e4)
+    rows = 0.0
+    for i, smp in enumerate(s):
+        if i:
+            rows += 1000 * 100 * (4 if i < 60 else 2)
+        smp["row_chars"] = rows
+    rep = soak.report(s)
+    assert abs(rep["drift"] - 1.0) < 1e-9 and abs(rep["work_drift"]) < 1e-9
+    assert rep["rows_first"] == 4 and rep["rows_last"] == 2
+    assert "per character-row +0.0%" in soak.summary(rep)
+
+
 def test_soak_report_needs_samples():
     with pytest.raises(RuntimeError, match="at least 5"):
         soak.report(_samples(3, lambda i: 1, lambda i: 1))

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=4",
         "model.max_rows=3", "data.context=32", "train.batch=4", "train.eval_chunks=4", "train.warmup=2"]
 HISTORY_FIELDS = {"step", "train_loss", "heldout_bpc", "char_per_s", "rows_mean", "max_load_ratio", "dropped_frac",
-                  "executed_ratio", "groups_mean", "mem_rss", "mem_peak", "time_s"}
+                  "executed_ratio", "groups_mean", "mem_rss", "mem_peak", "time_s",
+                  "sink_share", "load_ratio", "dead_slots", "load_entropy", "skipped_steps"}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def test_default_corpus_is_the_stdlib():
 def test_profiles_load_and_say_what_they_are_for():
     for name in ("cpu-tiny", "cpu-small", "strix-small", "strix-large"):
         cfg = load(name)
-        text = (ROOT / "profiles" / f"{name}.toml").read_text()
+        text = (ROOT / "minagi" / "profiles" / f"{name}.toml").read_text()
         assert text.startswith("# ") and cfg.profile == name
     large = load("strix-large").model
     assert (large.n_slots, large.top_k, large.capacity_factor, large.dtype) == (128, 8, 0.0, "bfloat16")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the dispatch ops as one prepared run, for a machine with a CUDA or ROCm GPU
 # and a GPU build of torch (the device machine's python3, or your own): build the extension with
-# its GPU kernels, run the GPU cases of the tests, the dispatch benchmark on the GPU (bfloat16)
-# and the reserved-memory test. Writes logs and the benchmark's JSON under ${OUT:-gpu-check}.
+# its GPU kernels, run the GPU cases of the tests, the dispatch benchmark on the GPU (bfloat16),
+# the reserved-memory test and a short soak. Writes logs and the benchmark's JSON under ${OUT:-gpu-check}.
 #   bash tools/gpu_check.sh            (MINAGI_ARCHS=9.0 for an H100/H200, gfx1151 for Strix Halo)
 set -uo pipefail
 out=${OUT:-gpu-check}
@@ -21,4 +21,7 @@ MINAGI_REQUIRE_EXT=1 timeout 900 "$py" -m pytest -q -x -k "cuda or test_gpu" tes
 echo "== dispatch benchmark (GPU, bfloat16)"
 timeout 600 "$py" -m minagi.bench dispatch --device cuda --reps 10 --json "$out/bench_dispatch.json" \
   2>&1 | tee "$out/bench_dispatch.txt"
+echo "== soak (GPU, 2 minutes of the default profile: reserved memory and throughput over time)"
+timeout 300 "$py" -m minagi.bench soak --device cuda --minutes 2 --every 10 --out "$out/soak" \
+  2>&1 | tee "$out/soak.txt" | tail -3
 echo "gpu_check: done in $((SECONDS-start)) s"

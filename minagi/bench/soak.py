@@ -6,7 +6,10 @@ enough that the soak, not the step count, ends it), sampling its resident memory
 the caching allocator's allocated and reserved bytes) and its step time every --every steps.
 The report: peak resident memory; its slope after warm-up (MB per 1,000 steps, least squares
 over the last 80% of samples: the first 20% are warm-up); throughput drift (char/s of the last
-20% of samples against the first 20% after warm-up); char/s after warm-up. Written to
+20% of samples against the first 20% after warm-up), and the same drift in character-rows per
+second (characters times the rows they used: with adaptive rows a model that learns halts sooner,
+so its char/s rises while the work per row stays the same; this one sees a slowdown of the work
+itself); char/s after warm-up. Written to
 OUT/soak.json, drawn to OUT/soak.png, summed up on stdout. MINAGI_ALLOCATOR applies to the
 training process.
 """
@@ -56,22 +59,27 @@ def slope_per_kstep(steps, values) -> float:
     return 1000.0 * sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var
 
 
-def span_char_per_s(samples: list[dict]) -> float:
-    """char/s over a run of consecutive samples, from their cumulative characters and step time."""
+def span_char_per_s(samples: list[dict], key: str = "chars") -> float:
+    """char/s (or key/s) over a run of consecutive samples, from their cumulative count and step time."""
     if len(samples) < 2:
         return 0.0
     dt = samples[-1]["train_s"] - samples[0]["train_s"]
-    return (samples[-1]["chars"] - samples[0]["chars"]) / dt if dt > 0 else 0.0
+    return (samples[-1][key] - samples[0][key]) / dt if dt > 0 else 0.0
 
 
-def drift(samples: list[dict]) -> float:
-    """char/s of the last 20% of samples over that of the first 20% after warm-up, minus 1."""
+def drift(samples: list[dict], key: str = "chars") -> float:
+    """key/s of the last 20% of samples over that of the first 20% after warm-up, minus 1."""
     n = len(samples)
     fifth = max(2, n // 5)
     lo = int(n * WARMUP_FRAC)
     first, last = samples[lo:lo + fifth], samples[n - fifth:]
-    a, b = span_char_per_s(first), span_char_per_s(last)
+    a, b = span_char_per_s(first, key), span_char_per_s(last, key)
     return b / a - 1.0 if a > 0 and b > 0 else 0.0
+
+
+def _rows_between(samples: list[dict]) -> float:
+    chars = samples[-1]["chars"] - samples[0]["chars"]
+    return (samples[-1]["row_chars"] - samples[0]["row_chars"]) / chars if chars else 0.0
 
 
 def report(samples: list[dict]) -> dict:
@@ -90,11 +98,26 @@ def report(samples: list[dict]) -> dict:
         "drift": drift(samples),
         "char_per_s": span_char_per_s(post),
     }
+    if all("row_chars" in s for s in samples):
+        out["work_drift"] = drift(samples, "row_chars")
+        out["rows_first"] = _rows_between(samples[int(len(samples) * WARMUP_FRAC):][:max(2, len(samples) // 5)])
+        out["rows_last"] = _rows_between(samples[-max(2, len(samples) // 5):])
     if all(s.get("reserved") is not None for s in samples):
         out["peak_reserved_mb"] = max(s["reserved"] for s in samples) * mb
         out["reserved_slope_mb_per_kstep"] = slope_per_kstep([s["step"] for s in post],
                                                              [s["reserved"] * mb for s in post])
     return out
+
+
+def summary(r: dict) -> str:
+    parts = [f"steps {r['steps']:,} in {r['minutes']:.1f} min", f"peak resident {r['peak_rss_mb']:,.0f} MB",
+             f"slope after warm-up {r['slope_mb_per_kstep']:+.2f} MB / 1,000 steps", f"drift {r['drift']:+.1%}"]
+    if "work_drift" in r:
+        parts[-1] += f" (per character-row {r['work_drift']:+.1%}; rows {r['rows_first']:.2f} -> {r['rows_last']:.2f})"
+    parts.append(f"{r['char_per_s']:,.0f} char/s")
+    if "peak_reserved_mb" in r:
+        parts.append(f"peak reserved {r['peak_reserved_mb']:,.0f} MB, slope {r['reserved_slope_mb_per_kstep']:+.2f}")
+    return "; ".join(parts)
 
 
 # --- the training process -------------------------------------------------------------------
@@ -104,7 +127,7 @@ class Sampler:
 
     def __init__(self, path: Path, every: int, seconds: float, device):
         self.path, self.every, self.seconds, self.device = path, every, seconds, device
-        self.t0, self.chars, self.train_s = time.perf_counter(), 0, 0.0
+        self.t0, self.chars, self.row_chars, self.train_s = time.perf_counter(), 0, 0.0, 0.0
         self.file = open(path, "w")
 
     def __call__(self, info) -> bool:
@@ -113,11 +136,13 @@ class Sampler:
         import torch
 
         self.chars += info.chars
+        self.row_chars += info.chars * info.rows_mean
         self.train_s += info.step_s
         elapsed = time.perf_counter() - self.t0
         done = elapsed >= self.seconds
         if info.step % self.every == 0 or done:
-            rec = {"step": info.step, "elapsed_s": elapsed, "chars": self.chars, "train_s": self.train_s,
+            rec = {"step": info.step, "elapsed_s": elapsed, "chars": self.chars, "row_chars": self.row_chars,
+                   "train_s": self.train_s,
                    "rss": resident_bytes(), "peak_rss": peak_resident_bytes()}
             if self.device.type == "cuda":
                 rec.update(allocated=torch.cuda.memory_allocated(self.device),
@@ -194,9 +219,6 @@ def main(argv=None) -> int:
               **report(samples), "targets": TARGETS}
     png = plot(samples, out / "soak.png", f"soak: {a.profile}, {result['allocator']} allocator")
     (out / "soak.json").write_text(json.dumps({**result, "series": samples}, indent=1))
-    print(f"steps {result['steps']:,} in {result['minutes']:.1f} min; peak resident {result['peak_rss_mb']:,.0f} MB; "
-          f"slope after warm-up {result['slope_mb_per_kstep']:+.2f} MB / 1,000 steps; drift {result['drift']:+.1%}; "
-          f"{result['char_per_s']:,.0f} char/s" + (f"; peak reserved {result['peak_reserved_mb']:,.0f} MB"
-                                                   if "peak_reserved_mb" in result else ""))
+    print(summary(result))
     print(f"wrote {out / 'soak.json'}" + (f" and {png}" if png else ""))
     return 0

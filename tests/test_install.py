@@ -1,0 +1,85 @@
+"""Installing like a library: profiles shipped in the package, the minagi command and its
+subcommands, and the message when a source tree shadows an installed build. (CI also builds a
+wheel, installs it in a fresh venv and trains from an empty folder: .ci/run.)"""
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from minagi import _backend, config
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBCOMMANDS = ["train", "write", "eval", "plot", "routes", "bench"]
+
+
+def test_profiles_come_from_the_package():
+    packaged = resources.files("minagi").joinpath("profiles")
+    assert set(config.profile_names()) >= {"cpu-tiny", "cpu-small", "strix-small", "strix-large"}
+    path = config.profile_path("cpu-tiny")
+    assert path.is_file() and path.read_text() == packaged.joinpath("cpu-tiny.toml").read_text()
+    assert Path(str(path)).resolve().parent == Path(config.__file__).resolve().parent / "profiles"
+    assert config.load().profile == "cpu-tiny"
+
+
+def test_a_profile_path_still_works(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[model]\ntop_k = 1\n[train]\nsteps = 7\n')
+    cfg = config.load(str(mine))
+    assert (cfg.profile, cfg.model.top_k, cfg.train.steps) == ("mine", 1, 7)
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        config.load(str(tmp_path / "missing.toml"))
+    with pytest.raises(config.ConfigError, match=r"unknown profile 'cpu-tinyy' \(did you mean cpu-tiny"):
+        config.load("cpu-tinyy")
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_every_subcommand_has_help(cmd):
+    r = subprocess.run([sys.executable, "-m", "minagi", cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+    if cmd != "bench":
+        assert f"python -m minagi {cmd}" in r.stdout  # the usage line names the command as it was called
+
+
+def test_the_minagi_command():
+    exe = shutil.which("minagi", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("no minagi script next to this python (the project is not pip-installed here)")
+    r = subprocess.run([exe, "write", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage: minagi write" in r.stdout
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "routes" in r.stderr and "doctor" in r.stderr
+    r = subprocess.run([exe, "trian"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "did you mean train" in r.stderr
+
+
+class _FakeDist:
+    """importlib.metadata's view of a minagi installed in site-packages, with its extension."""
+
+    def __init__(self, site):
+        self.site = site
+        from importlib.metadata import PackagePath
+        self.files = [PackagePath("minagi/__init__.py"), PackagePath("minagi/_C.cpython-311-x86_64-linux-gnu.so")]
+
+    def locate_file(self, f):
+        return self.site / f
+
+
+def test_shadowed_install_is_named(tmp_path, monkeypatch):
+    (tmp_path / "minagi").mkdir()
+    (tmp_path / "minagi" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    monkeypatch.setattr(_backend.metadata, "distribution", lambda name: _FakeDist(tmp_path))
+
+    def no_extension(name):
+        raise ModuleNotFoundError("No module named 'minagi._C'")
+
+    monkeypatch.setattr(_backend.importlib, "import_module", no_extension)
+    monkeypatch.delenv("MINAGI_DISABLE_EXT", raising=False)
+    st = _backend._try_load()
+    assert not st.loaded and "shadows the installed build in" in st.reason and str(tmp_path / "minagi") in st.reason
+    assert "run from another directory" in st.reason
+    # An editable install (no _C among its files) or none at all: the plain message.
+    monkeypatch.setattr(_backend.metadata, "distribution", lambda name: (_ for _ in ()).throw(ImportError()))
+    assert "shadows" not in _backend._try_load().reason

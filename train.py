@@ -6,6 +6,7 @@
     python train.py eval DIR --data PATH
     python train.py plot DIR
     python train.py routes DIR [--data PATH] [--chunks N] [--json]
+    python train.py prepare SRC OUT [--heldout-every N] [--force]
 
 The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
 import sys

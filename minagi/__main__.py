@@ -50,10 +50,11 @@ USAGE = """usage: minagi COMMAND [options]   (or python -m minagi COMMAND)
   eval    bits per character of a checkpoint on your text   minagi eval DIR --data PATH
   plot    draw a run's history                             minagi plot DIR
   routes  how a checkpoint routes, row by row              minagi routes DIR
+  prepare a corpus once, memory-mapped by training         minagi prepare SRC OUT
   doctor  what this install runs on (extension, threads, allocator)
   bench   benchmarks: dispatch, train, write, quality, soak"""
 
-COMMANDS = ("train", "write", "eval", "plot", "routes", "doctor", "bench")
+COMMANDS = ("train", "write", "eval", "plot", "routes", "prepare", "doctor", "bench")
 
 
 def main(argv=None, prog: str = "python -m minagi") -> int:

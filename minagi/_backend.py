@@ -59,8 +59,8 @@ def _try_load() -> BackendState:
         shadowed = installed_build_elsewhere()
         if shadowed is not None:
             here = Path(__file__).resolve().parent
-            return BackendState(False, f"minagi._C did not load: the minagi imported here is {here} (a source "
-                                       f"tree without a build), which shadows the installed build in {shadowed.parent}; "
+            return BackendState(False, f"minagi._C did not load ({exc}): the minagi imported here is {here} "
+                                       f"(a source tree without a working build), which shadows the installed build in {shadowed.parent}; "
                                        "run from another directory, or build this tree with "
                                        "`pip install --no-build-isolation -e .`")
         return BackendState(False, f"minagi._C did not load ({exc}); rebuild with "

@@ -44,8 +44,10 @@ def load(run_dir, map_location="cpu", require_finite: bool = True) -> dict:
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT if run_dir.is_dir() or not run_dir.suffix else run_dir
     if not path.exists():
+        from .cli import PROG
+
         raise CheckpointError(f"no checkpoint at {path}: train into that folder first "
-                              f"(python train.py --out {path.parent}), or check the path")
+                              f"({PROG['train']} --out {path.parent}), or check the path")
     try:
         ckpt = torch.load(path, map_location=map_location)
     except Exception as exc:  # truncated, not a torch file, or unpickling refused

@@ -5,6 +5,7 @@
     python train.py eval DIR --data PATH
     python train.py plot DIR
     python train.py routes DIR [--data PATH] [--chunks N] [--json]
+    python train.py prepare SRC OUT [--heldout-every N] [--force]
 
 Errors a user can fix (an unknown profile or key, a bad value, missing data, a corpus too small,
 a missing checkpoint) end with one line saying what to do, and exit status 2.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import allocator
 from .allocator import AllocatorError
 from .checkpoint import CheckpointError
 from .config import DEFAULT_PROFILE, ConfigError, load, profile_names
@@ -34,7 +34,7 @@ def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG["train"], description="Train a minagi byte model.")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"a packaged profile ({', '.join(profile_names())}) "
                    f"or a path to a .toml file (default {DEFAULT_PROFILE})")
-    p.add_argument("--data", default=None, help="a text file or a folder of text files (default: the Python standard library's source)")
+    p.add_argument("--data", default=None, help="a text file, a folder of text files, or a prepared corpus folder (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="run folder for checkpoint.pt and history.jsonl (default runs/PROFILE)")
     p.add_argument("--steps", type=int, default=None, help="length of the whole run, schedule included (= --set train.steps=N)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -46,7 +46,6 @@ def train_parser() -> argparse.ArgumentParser:
 
 def run_train(argv) -> int:
     args = train_parser().parse_args(argv)
-    allocator.ensure()  # MINAGI_ALLOCATOR: may re-execute this command with the library preloaded
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -105,6 +104,52 @@ def run_eval(argv) -> int:
     return 0
 
 
+def run_prepare(argv) -> int:
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} prepare", description=(
+        "Prepare a corpus once: OUT/train.bin and OUT/heldout.bin (raw bytes, split as training would "
+        "split SRC) and OUT/corpus.json. Training, eval and routes then memory-map it (--data OUT)."))
+    p.add_argument("src", metavar="SRC", help="a text file or a folder of text files")
+    p.add_argument("out", metavar="OUT", help="an empty (or new) folder")
+    p.add_argument("--heldout-every", type=int, default=20, help="hold out every Nth file (default 20, as data.heldout_every)")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    from .data import prepare
+
+    if a.heldout_every < 2:
+        raise ConfigError("--heldout-every must be >= 2")
+    bar = ByteProgress(not a.quiet)
+    meta = prepare(a.src, a.out, a.heldout_every, a.force, progress=bar)
+    bar.close()
+    print(f"prepared {a.out}: {meta['train_bytes']:,} train bytes, {meta['heldout_bytes']:,} held-out bytes "
+          f"({meta['files']} files, split {meta['split']}); train on it with --data {a.out}")
+    return 0
+
+
+class ByteProgress:
+    """prepare's progress in bytes: tqdm on a terminal, else a line every ~5%."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar, self.next = enabled, None, 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if sys.stderr.isatty():
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, dynamic_ncols=True)
+            self.bar.update(done - self.bar.n)
+        elif done >= self.next or done == total:
+            print(f"prepare: {done:,} of {total:,} bytes ({done / total:.0%})", file=sys.stderr, flush=True)
+            self.next = done + total / 20
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_plot(argv) -> int:
     from .plot import plot_history
 
@@ -125,7 +170,7 @@ def run_routes(argv) -> int:
         raise ConfigError(str(exc)) from exc
 
 
-COMMANDS = {"write": run_write, "eval": run_eval, "plot": run_plot, "routes": run_routes}
+COMMANDS = {"write": run_write, "eval": run_eval, "plot": run_plot, "routes": run_routes, "prepare": run_prepare}
 
 
 def main(argv=None, prog: str = "python train.py", train_prog: str | None = None) -> int:
@@ -134,6 +179,10 @@ def main(argv=None, prog: str = "python train.py", train_prog: str | None = None
     argv = sys.argv[1:] if argv is None else list(argv)
     PROG.update(train=train_prog or prog, sub=prog)
     try:
+        if not argv or argv[0] not in COMMANDS:
+            from . import allocator
+
+            allocator.ensure()  # MINAGI_ALLOCATOR: may re-execute this command with the library preloaded
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
         return run_train(argv)

@@ -72,6 +72,9 @@ class DataConfig:
     context: int = 128  # bytes per chunk
     path: str = ""  # "" = the Python standard library's source
     heldout_every: int = 20  # every 20th file (by a stable hash of its path) is held out
+    # A raw corpus larger than this many bytes is not read into memory: prepare it (python
+    # train.py prepare SRC OUT) and train on the prepared folder, which is memory-mapped.
+    max_in_memory: int = 2 << 30
 
 
 @dataclass
@@ -221,6 +224,7 @@ def validate(cfg: Config) -> None:
         (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device must be auto, cpu or cuda, got {t.device!r}"),
         (d.context >= 2, "data.context must be >= 2"),
         (d.heldout_every >= 2, "data.heldout_every must be >= 2"),
+        (d.max_in_memory >= 0, "data.max_in_memory must be >= 0 (bytes)"),
     ]
     from .balance import BALANCE_TERMS
 

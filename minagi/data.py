@@ -6,7 +6,11 @@ Legend: B batch, T context (bytes per chunk).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shlex
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -55,39 +59,221 @@ def is_heldout(relpath: str, every: int) -> bool:
     return zlib.crc32(relpath.encode("utf-8")) % every == 0
 
 
-def _concat(paths: list[Path]) -> torch.Tensor:
-    chunks = [p.read_bytes() for p in paths]
-    data = b"".join(chunks)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+@dataclass
+class Plan:
+    """A raw corpus's files and its split, known from the files' sizes alone: by file (held-out
+    files by a stable hash of their relative path), or, where that leaves one side empty, the
+    last 1 / every of all bytes held out (cut: the offset in the files' concatenation)."""
+    root: Path
+    files: list
+    sizes: list
+    held: list  # per file, held out by the hash split
+    cut: int | None  # None: the split is by file
+    source: str
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def side_sizes(self) -> tuple[int, int]:
+        if self.cut is not None:
+            return self.cut, self.total - self.cut
+        held = sum(n for n, h in zip(self.sizes, self.held) if h)
+        return self.total - held, held
+
+    def pieces(self):
+        """(file, offset in it, length, side) in order, side 0 train and 1 held out: the bytes
+        of each side, concatenated in file order, are that side's corpus."""
+        pos = 0
+        for f, n, h in zip(self.files, self.sizes, self.held):
+            if self.cut is None:
+                yield f, 0, n, int(h)
+            else:
+                head = max(0, min(n, self.cut - pos))
+                if head:
+                    yield f, 0, head, 0
+                if n - head:
+                    yield f, head, n - head, 1
+            pos += n
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for f, n in zip(self.files, self.sizes):
+            h.update(f"{f.relative_to(self.root).as_posix()}\t{n}\n".encode("utf-8"))
+        return h.hexdigest()
+
+    def n_heldout_files(self) -> int:
+        return 0 if self.cut is not None else sum(self.held)
 
 
-def load_corpus(path: str = "", heldout_every: int = 20) -> Corpus:
-    """Train / held-out split by file. A single file (or a folder whose hash split leaves one side
-    empty) holds out its last 1 / heldout_every of bytes instead."""
+def plan(path: str = "", heldout_every: int = 20) -> Plan:
     if not path:
         root, files = stdlib_files()
-        source = f"Python {'.'.join(map(str, __import__('sys').version_info[:3]))} standard library ({root})"
+        source = f"Python {'.'.join(map(str, sys.version_info[:3]))} standard library ({root})"
     else:
         p = Path(path).expanduser()
         if not p.exists():
             raise DataError(f"--data {path}: no such file or folder")
-        if p.is_file():
-            root, files = p.parent, [p]
-        else:
-            root, files = p, folder_files(p)
+        root, files = (p.parent, [p]) if p.is_file() else (p, folder_files(p))
         source = str(p)
     if not files:
         raise DataError(f"{source}: no files to read (an empty folder?)")
-    held = [f for f in files if is_heldout(f.relative_to(root).as_posix(), heldout_every)]
-    kept = [f for f in files if f not in set(held)]
-    train, heldout = _concat(kept), _concat(held)
-    if train.numel() == 0 or heldout.numel() == 0:
-        everything = _concat(files)
-        cut = everything.numel() - everything.numel() // heldout_every
-        train, heldout, held = everything[:cut], everything[cut:], []
-    if train.numel() == 0:
+    sizes = []
+    for f in files:
+        try:
+            sizes.append(f.stat().st_size)
+        except OSError as exc:
+            raise DataError(f"{f}: cannot be read ({exc.strerror or exc})") from None
+    held = [is_heldout(f.relative_to(root).as_posix(), heldout_every) for f in files]
+    result = Plan(root, files, sizes, held, None, source)
+    train_n, held_n = result.side_sizes()
+    if train_n == 0 or held_n == 0:
+        result.cut = result.total - result.total // heldout_every
+    if result.total == 0:
         raise DataError(f"{source}: the corpus is empty (0 bytes)")
-    return Corpus(train=train, heldout=heldout, source=source, n_files=len(files), n_heldout_files=len(held))
+    return result
+
+
+def _read_into(f: Path, offset: int, view: memoryview) -> None:
+    try:
+        with open(f, "rb") as fh:
+            fh.seek(offset)
+            got = fh.readinto(view)
+    except OSError as exc:
+        raise DataError(f"{f}: cannot be read ({exc.strerror or exc})") from None
+    if got != len(view):
+        raise DataError(f"{f} changed while it was read ({got:,} of {len(view):,} bytes); read it again")
+
+
+def _read_in_memory(p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides read straight into their final buffers: one copy of the corpus, no more."""
+    bufs = [torch.empty(n, dtype=torch.uint8) for n in p.side_sizes()]
+    views = [memoryview(b.numpy()) if b.numel() else memoryview(b"") for b in bufs]
+    at = [0, 0]
+    for f, offset, n, side in p.pieces():
+        _read_into(f, offset, views[side][at[side]:at[side] + n])
+        at[side] += n
+    return bufs[0], bufs[1]
+
+
+def load_corpus(path: str = "", heldout_every: int = 20, max_in_memory: int = 2 << 30) -> Corpus:
+    """Train / held-out split by file. A single file (or a folder whose hash split leaves one side
+    empty) holds out its last 1 / heldout_every of bytes instead. A prepared folder (its
+    corpus.json; python train.py prepare) is memory-mapped from disk instead of read; a raw
+    corpus larger than max_in_memory bytes is an error that says how to prepare it."""
+    if path and (Path(path).expanduser() / META).exists():
+        return open_prepared(path)
+    p = plan(path, heldout_every)
+    if p.total > max_in_memory:
+        src = shlex.quote(str(path))
+        raise DataError(f"{p.source}: {p.total:,} bytes is more than data.max_in_memory = {max_in_memory:,}; "
+                        f"prepare it once and train on the prepared folder, which is read from disk as "
+                        f"needed: python train.py prepare {src} {shlex.quote(str(path).rstrip('/') + '.prepared')} "
+                        f"(then --data {shlex.quote(str(path).rstrip('/') + '.prepared')})")
+    train, heldout = _read_in_memory(p)
+    return Corpus(train=train, heldout=heldout, source=p.source, n_files=len(p.files),
+                  n_heldout_files=p.n_heldout_files())
+
+
+# --- prepared corpora: python train.py prepare SRC OUT ---------------------------------------
+
+META = "corpus.json"
+FORMAT = "minagi-corpus"
+VERSION = 1
+BINS = ("train.bin", "heldout.bin")
+BLOCK = 8 << 20  # bytes read and written at a time: prepare's memory does not grow with the corpus
+
+
+def prepare(src: str, out, heldout_every: int = 20, force: bool = False, progress=None) -> dict:
+    """Write OUT/train.bin, OUT/heldout.bin and OUT/corpus.json from a raw corpus, with the split
+    load_corpus would make. Streamed in blocks; written under temporary names and renamed at the
+    end, corpus.json last, so a folder with a corpus.json is always complete."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise DataError(f"prepare: {out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise DataError(f"prepare: {out} is not empty; choose an empty folder, or pass --force to replace "
+                        "what a prepared corpus holds there")
+    p = plan(src, heldout_every)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META).unlink(missing_ok=True)  # from here until the end the folder is not a corpus
+    tmps = [out / f".{name}.tmp" for name in BINS]
+    done = 0
+    try:
+        sinks = [open(t, "wb") for t in tmps]
+        try:
+            for f, offset, n, side in p.pieces():
+                try:
+                    fh = open(f, "rb")
+                except OSError as exc:
+                    raise DataError(f"{f}: cannot be read ({exc.strerror or exc})") from None
+                with fh:
+                    fh.seek(offset)
+                    left = n
+                    while left:
+                        block = fh.read(min(BLOCK, left))
+                        if not block:
+                            raise DataError(f"{f} changed while it was read; prepare again")
+                        sinks[side].write(block)
+                        left -= len(block)
+                        done += len(block)
+                        if progress is not None:
+                            progress(done, p.total)
+            for s in sinks:
+                s.flush()
+                os.fsync(s.fileno())
+        finally:
+            for s in sinks:
+                s.close()
+        for t, name in zip(tmps, BINS):
+            os.replace(t, out / name)
+    except BaseException:
+        for t in tmps:
+            t.unlink(missing_ok=True)
+        raise
+    train_n, held_n = p.side_sizes()
+    meta = {"format": FORMAT, "version": VERSION, "source": p.source, "train_bytes": train_n,
+            "heldout_bytes": held_n, "files": len(p.files), "heldout_files": p.n_heldout_files(),
+            "heldout_every": heldout_every, "split": "tail" if p.cut is not None else "by-file",
+            "digest": p.digest()}
+    tmp = out / f".{META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / META)
+    return meta
+
+
+def read_meta(folder) -> dict:
+    path = Path(folder).expanduser() / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{folder}: no {META}: not a prepared corpus (python train.py prepare SRC {folder})") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path} cannot be read ({exc}); prepare the corpus again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{path} is not a minagi corpus description; prepare the corpus again")
+    if meta.get("version") != VERSION:
+        raise DataError(f"{path} has format version {meta.get('version')!r}; this minagi reads version {VERSION}: "
+                        "prepare the corpus again with this version")
+    return meta
+
+
+def open_prepared(folder) -> Corpus:
+    """A prepared corpus as two read-only memory maps: nothing is read until a batch gathers its
+    bytes, and every process on the machine shares the operating system's one cached copy."""
+    folder = Path(folder).expanduser()
+    meta = read_meta(folder)
+    sides = []
+    for name, key in zip(BINS, ("train_bytes", "heldout_bytes")):
+        path, want = folder / name, int(meta[key])
+        have = path.stat().st_size if path.exists() else None
+        if have != want:
+            raise DataError(f"{path} holds {'no file' if have is None else f'{have:,} bytes'} but {META} says "
+                            f"{want:,}: a truncated or partial copy; copy or prepare the corpus again")
+        sides.append(torch.from_file(str(path), shared=False, size=want, dtype=torch.uint8) if want
+                     else torch.empty(0, dtype=torch.uint8))
+    return Corpus(train=sides[0], heldout=sides[1], source=f"{folder} (prepared from {meta['source']})",
+                  n_files=int(meta["files"]), n_heldout_files=int(meta["heldout_files"]))
 
 
 def check_fits(corpus: Corpus, context: int) -> None:

@@ -8,13 +8,20 @@ from pathlib import Path
 
 import torch
 
-from .data import DataError, folder_files
+from .data import META, DataError, folder_files, open_prepared
 
 
 def read_bytes(path: str) -> torch.Tensor:
+    """Every byte of a file or folder (files in path order); of a prepared folder, its held-out
+    bytes (memory-mapped)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"--data {path}: no such file or folder")
+    if (p / META).exists():
+        held = open_prepared(p).heldout
+        if not held.numel():
+            raise DataError(f"--data {path}: the prepared corpus has no held-out bytes to score")
+        return held.long()
     files = [p] if p.is_file() else folder_files(p)
     data = b"".join(f.read_bytes() for f in files)
     if not data:

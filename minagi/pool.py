@@ -67,9 +67,13 @@ class PooledMLP(nn.Module):
         return Card(self.router, self.w_in, self.w_out)
 
     def route(self, x_ND: torch.Tensor, router_SD: torch.Tensor, n_valid: int, route_bias_S=None):
+        """(slot_idx [N, K], gates [N, K] in x's dtype). Rows from n_valid on are zero padding:
+        their logits all tie, so they would all pick the same top_k slots; they are spread over
+        the slots instead (their gates, 1 / K, are the same for any pick)."""
         if self.force_routing is not None:
             slot_idx_NK, gates_NK = self.force_routing(x_ND, router_SD.shape[0], self.top_k)
             return slot_idx_NK, gates_NK
+        N, S = x_ND.shape[0], router_SD.shape[0]
         logits_NS = x_ND @ router_SD.t()
         ops = _ops.best(x_ND.device)
         if route_bias_S is None:
@@ -77,12 +81,17 @@ class PooledMLP(nn.Module):
         else:  # the bias picks the slots; the gates are the unbiased logits' softmax over them
             with torch.no_grad():
                 slot_idx_NK, _, load_S = ops.routing(logits_NS.float() + route_bias_S.float(), self.top_k)
-            gates_NK = torch.softmax(logits_NS.gather(1, slot_idx_NK), dim=-1)
+        if n_valid < N:
+            spread = torch.arange((N - n_valid) * self.top_k, device=x_ND.device).view(-1, self.top_k) % S
+            slot_idx_NK = torch.cat([slot_idx_NK[:n_valid], spread])
+            if self.route_log is not None:  # the real characters' load
+                load_S = torch.bincount(slot_idx_NK[:n_valid].reshape(-1), minlength=S)
+        if route_bias_S is not None:
+            gates_NK = torch.softmax(logits_NS.gather(1, slot_idx_NK).float(), dim=-1)
         if self.route_log is not None:
-            if n_valid < x_ND.shape[0]:  # the padding rows' picks are no one's load
-                load_S = torch.bincount(slot_idx_NK[:n_valid].reshape(-1), minlength=router_SD.shape[0])
             self.route_log.append(RowRoute(logits_NS, load_S, n_valid))
-        return slot_idx_NK, gates_NK
+        # Under autocast the logits (so the gates) may come out in another dtype than x.
+        return slot_idx_NK, gates_NK.to(x_ND.dtype)
 
     def forward(self, x: torch.Tensor, card: Card | None = None, return_stats: bool = False,
                 n_valid: int | None = None, route_bias: torch.Tensor | None = None):

@@ -25,7 +25,8 @@ def measure(run_dir, data: str | None = None, chunks: int = 16, device: str = "c
     if chunks < 1:
         raise ValueError(f"--chunks must be >= 1, got {chunks}")
     model, cfg = load_model(run_dir, device)
-    corpus = load_corpus(cfg.data.path if data is None else data, cfg.data.heldout_every)
+    model.cfg.bucket_rows = False  # the grouped rows then count the same characters as the rectangle's
+    corpus = load_corpus(cfg.data.path if data is None else data, cfg.data.heldout_every, cfg.data.max_in_memory)
     check_fits(corpus, cfg.data.context)
     x, _ = fixed_chunks(corpus.heldout, cfg.data.context, chunks, cfg.train.seed + 1)
     with torch.no_grad():

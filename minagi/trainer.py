@@ -188,10 +188,12 @@ def _rewrite_history(path: Path, upto: int, record: dict | None) -> None:
     kept = []
     if path.exists():
         for line in path.read_text().splitlines():
-            if line.strip():
+            try:
                 rec = json.loads(line)
-                if rec["step"] <= upto:
-                    kept.append(rec)
+            except json.JSONDecodeError:  # a line torn by a crash mid-write
+                continue
+            if rec["step"] <= upto:
+                kept.append(rec)
     if record is not None and not any(r["step"] == record["step"] for r in kept):
         kept.append(record)
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -271,7 +273,7 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
         cfg = saved
     torch.set_num_threads(cfg.train.threads or os.cpu_count() or 1)
     device = resolve_device(cfg.train.device)
-    corpus = load_corpus(cfg.data.path, cfg.data.heldout_every)
+    corpus = load_corpus(cfg.data.path, cfg.data.heldout_every, cfg.data.max_in_memory)
     check_fits(corpus, cfg.data.context)
     model, opt, sched = build(cfg, device)
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed)
@@ -387,6 +389,6 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
             if stop:
                 break
     bar.close()
-    if signals.requested is not None:
+    if signals.requested is not None and run.step < t.steps:  # a run that finished anyway is done
         raise Interrupted(signals.requested, run.step, out_dir)
     return record if record is not None else (run.saved_record or {})

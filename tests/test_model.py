@@ -195,3 +195,18 @@ def test_load_balance_term_trains_the_router(path):
     ref, _ = _forward_backward(small(balance="load", balance_coef=1.0), "rectangle", idx, tgt)
     assert float(out.balance) > 0 and grads["pool.router"].abs().sum() > 0
     assert_close(out.balance, ref.balance)
+
+
+@pytest.mark.parametrize("balance", ["load", "bias"])
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_trains_under_bfloat16_autocast(path, balance):
+    # The strix profiles train under bfloat16 autocast (GPUs); CPU autocast takes the same
+    # route: the router's logits come out in bfloat16 while the rows are float32, and the gates
+    # must follow the rows' dtype into the dispatch.
+    torch.manual_seed(0)
+    model = ByteModel(small(balance=balance, dispatch=path), context=16)
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(idx, idx)
+    out.loss.backward()
+    assert torch.isfinite(out.loss.detach()) and model.pool.w_in.grad.abs().sum() > 0

@@ -113,6 +113,7 @@ def run_minagi(corpus, seconds, profile, overrides, log):
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
+        model.balance_step()  # bias balancing moves its biases here
         opt.zero_grad(set_to_none=True)
         return float(out.ce.detach())
 

@@ -127,7 +127,7 @@ class Sampler:
 
     def __init__(self, path: Path, every: int, seconds: float, device):
         self.path, self.every, self.seconds, self.device = path, every, seconds, device
-        self.t0, self.chars, self.row_chars, self.train_s = time.perf_counter(), 0, 0.0, 0.0
+        self.t0, self.chars, self.row_chars, self.train_s = None, 0, 0.0, 0.0  # the clock starts at the first step
         self.file = open(path, "w")
 
     def __call__(self, info) -> bool:
@@ -135,6 +135,8 @@ class Sampler:
 
         import torch
 
+        if self.t0 is None:
+            self.t0 = time.perf_counter() - info.step_s
         self.chars += info.chars
         self.row_chars += info.chars * info.rows_mean
         self.train_s += info.step_s
@@ -152,19 +154,33 @@ class Sampler:
         return done
 
 
-def child(a) -> int:
-    from .. import allocator
+def _config(a):
     from ..config import load
-    from ..trainer import resolve_device, train
 
-    allocator.ensure()
     overrides = [*a.overrides, f"train.device={a.device}", "train.steps=100000000"]
     if a.data:
         overrides.append(f"data.path={a.data}")
-    cfg = load(a.profile, overrides)
-    out = Path(a.out)
-    sampler = Sampler(out / SAMPLES, a.every, a.minutes * 60, resolve_device(cfg.train.device))
-    train(cfg, out / "run", progress=False, callbacks=[sampler])
+    return load(a.profile, overrides)
+
+
+def child(a) -> int:
+    from .. import allocator
+    from ..cli import USER_ERRORS
+    from ..guard import Diverged, Interrupted
+    from ..trainer import resolve_device, train
+
+    try:
+        allocator.ensure()
+        cfg = _config(a)
+        out = Path(a.out)
+        sampler = Sampler(out / SAMPLES, a.every, a.minutes * 60, resolve_device(cfg.train.device))
+        train(cfg, out / "run", progress=False, callbacks=[sampler])
+    except (*USER_ERRORS, Diverged, Interrupted) as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_status", 2)
+    except RuntimeError as exc:  # no GPU for --device cuda, and the like
+        print(f"soak: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -196,6 +212,16 @@ def plot(samples: list[dict], path: Path, title: str) -> Path | None:
     return path
 
 
+def _wait(proc: subprocess.Popen) -> int:
+    """The child's exit status. Ctrl-C reaches the child too (one process group), which
+    checkpoints and stops; the parent keeps waiting for it instead of killing it mid-write."""
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if a.child:
@@ -203,20 +229,32 @@ def main(argv=None) -> int:
     if a.minutes <= 0 or a.every < 1:
         print("error: --minutes must be > 0 and --every >= 1", file=sys.stderr)
         return 2
+    from ..cli import USER_ERRORS
+
+    try:
+        _config(a)  # a bad profile or --set is one line here, before a process is started
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "minagi.bench", "soak", "--child", *(argv if argv is not None else sys.argv[1:])]
     print(f"soak: {a.profile} on {a.device} for {a.minutes:g} min in a fresh process "
           f"(allocator: {os.environ.get('MINAGI_ALLOCATOR', 'system')}), samples every {a.every} steps",
           file=sys.stderr, flush=True)
-    rc = subprocess.run(cmd).returncode
+    rc = _wait(subprocess.Popen(cmd))
     if rc != 0:
-        print(f"soak: the training process failed (exit status {rc})", file=sys.stderr)
+        print(f"soak: the training process stopped with exit status {rc}", file=sys.stderr)
         return rc
     samples = [json.loads(line) for line in (out / SAMPLES).read_text().splitlines() if line.strip()]
+    try:
+        measured = report(samples)
+    except RuntimeError as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        return 2
     result = {"profile": a.profile, "device": a.device, "minutes_asked": a.minutes,
               "allocator": os.environ.get("MINAGI_ALLOCATOR", "system"), "overrides": a.overrides,
-              **report(samples), "targets": TARGETS}
+              **measured, "targets": TARGETS}
     png = plot(samples, out / "soak.png", f"soak: {a.profile}, {result['allocator']} allocator")
     (out / "soak.json").write_text(json.dumps({**result, "series": samples}, indent=1))
     print(summary(result))

@@ -11,6 +11,7 @@ MINAGI_ALLOCATOR_LIB=PATH names the library file instead of looking in the usual
 """
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
 import sys
@@ -28,6 +29,24 @@ LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib
 # jemalloc as measured for this project: return memory eagerly, purge from a background thread.
 JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto"
 _REEXEC = "MINAGI_ALLOCATOR_REEXEC"  # set in the re-executed process: never loop
+
+
+class HeapTrim:
+    """glibc's malloc_trim(0) every `every` steps (0 = never; only with the system allocator on
+    glibc): it hands the free pages inside the heap back to the system. Between trims the heap
+    may grow again; a trim bounds how far."""
+
+    def __init__(self, every: int):
+        self.every, self._trim = every, None
+        if every and loaded() == "system" and sys.platform.startswith("linux"):
+            try:
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+                self._trim = None
+
+    def __call__(self, step: int) -> None:
+        if self._trim is not None and step % self.every == 0:
+            self._trim(0)
 
 
 class AllocatorError(ValueError):

@@ -65,6 +65,8 @@ class TrainConfig:
     # Consecutive steps with a non-finite loss or gradient norm (each skipped) before the run
     # stops with exit status 3; 0 turns the guard off.
     max_bad_steps: int = 10
+    # glibc's malloc_trim every this many steps (0 = never), for profiles whose heap grows.
+    malloc_trim_every: int = 0
 
 
 @dataclass
@@ -220,6 +222,7 @@ def validate(cfg: Config) -> None:
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr_frac <= 1, "train.lr must be > 0 and train.min_lr_frac in [0, 1]"),
         (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),
+        (t.malloc_trim_every >= 0, "train.malloc_trim_every must be >= 0 (0 = never)"),
         (t.max_bad_steps >= 0, "train.max_bad_steps must be >= 0 (0 turns the divergence guard off)"),
         (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device must be auto, cpu or cuda, got {t.device!r}"),
         (d.context >= 2, "data.context must be >= 2"),

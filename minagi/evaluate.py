@@ -21,7 +21,7 @@ def read_bytes(path: str) -> torch.Tensor:
         held = open_prepared(p).heldout
         if not held.numel():
             raise DataError(f"--data {path}: the prepared corpus has no held-out bytes to score")
-        return held.long()
+        return held.read().long()
     files = [p] if p.is_file() else folder_files(p)
     data = b"".join(f.read_bytes() for f in files)
     if not data:

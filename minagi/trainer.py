@@ -367,11 +367,13 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
               f"allocator {allocator.describe()}; {corpus.describe()}"
               + (f"; resuming at step {run.step}" if resume else ""))
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, out_dir), time.perf_counter(), None
+    trim = allocator.HeapTrim(t.malloc_trim_every if device.type == "cpu" else 0)
     run.model.train()
     with GracefulStop() as signals:
         while run.step < t.steps:
             t0 = time.perf_counter()
             out, chars, loss, skipped = _train_step(run, guard)
+            trim(run.step)  # counted in the step's time: its cost is the trim and the pages faulted back
             seconds = time.perf_counter() - t0
             window.add(out, loss, float(out.ce.detach()), chars, seconds, cfg.model.max_rows, skipped)
             guard.check(run.step, run.last_good())

@@ -35,7 +35,7 @@ def test_prepare_a_folder_splits_by_file_as_training_does(folder, tmp_path):
     meta = prepare(str(folder), tmp_path / "p")
     raw, prep = load_corpus(str(folder)), open_prepared(tmp_path / "p")
     assert meta["split"] == "by-file" and 0 < meta["heldout_files"] < 40
-    assert torch.equal(raw.train, prep.train) and torch.equal(raw.heldout, prep.heldout)
+    assert torch.equal(raw.train, prep.train.read()) and torch.equal(raw.heldout, prep.heldout.read())
     assert sorted(os.listdir(tmp_path / "p")) == sorted([META, *BINS])  # no temporary file left
     assert meta["train_bytes"] + meta["heldout_bytes"] == sum(f.stat().st_size for f in folder.iterdir())
     assert len(meta["digest"]) == 64 and meta["version"] == 1
@@ -47,7 +47,7 @@ def test_prepare_a_single_file_holds_out_its_tail(folder, tmp_path):
     raw = load_corpus(str(one))
     prep = load_corpus(str(tmp_path / "p"))  # a prepared folder is recognised by its corpus.json
     assert meta["split"] == "tail" and meta["heldout_bytes"] == one.stat().st_size // 20
-    assert torch.equal(raw.train, prep.train) and torch.equal(raw.heldout, prep.heldout)
+    assert torch.equal(raw.train, prep.train.read()) and torch.equal(raw.heldout, prep.heldout.read())
     assert "prepared from" in prep.source
 
 
@@ -162,5 +162,5 @@ def test_bench_data_small(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "bench_data.json").read_text())
     assert res["corpus_bytes"] >= 0.01 * 2**30 * 0.99 and res["prepare"]["mb_per_s"] > 0
-    assert set(res["runs"]) == {"default corpus", "prepared corpus"}
+    assert set(res["runs"]) == {"default corpus", "prepared corpus", "default corpus prepared"}
     assert all(run["char_per_s"] > 0 and run["startup_s"] > 0 for run in res["runs"].values())

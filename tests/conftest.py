@@ -78,3 +78,21 @@ def pytest_report_header(config):
     return (f"minagi: extension {'loaded' if EXT else 'NOT loaded'}; torch {torch.__version__}; "
             f"{torch.get_num_threads()} threads; MINAGI_DISABLE_EXT={os.environ.get('MINAGI_DISABLE_EXT', '')}; "
             f"GPU cases: {'run' if not GPU_SKIP else 'skipped (' + GPU_SKIP + ')'}")
+
+
+# A model small enough for benchmark command tests to run in seconds.
+BENCH_TINY = ("model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=6",
+              "data.context=32", "train.batch=4", "train.eval_chunks=2")
+
+
+def run_bench(name, *args, overrides=BENCH_TINY, timeout=600):
+    """python -m minagi.bench NAME ARGS --set OVERRIDE ... in a fresh process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "minagi.bench", name, *map(str, args)]
+    for kv in overrides:
+        cmd += ["--set", kv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          cwd=Path(__file__).resolve().parent.parent)

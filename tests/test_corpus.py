@@ -13,6 +13,7 @@ import torch
 from minagi import checkpoint
 from minagi.data import BINS, META, DataError, load_corpus, open_prepared, prepare
 
+from conftest import run_bench
 from test_trainer import TINY, _cli, _history, _signal_at  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,12 +154,7 @@ def test_a_prepared_corpus_smaller_than_a_chunk(tmp_path):
 
 
 def test_bench_data_small(tmp_path):
-    tiny = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=6",
-            "data.context=32", "train.batch=4", "train.eval_chunks=2"]
-    cmd = [sys.executable, "-m", "minagi.bench", "data", "--gb", "0.01", "--steps", "8", "--out", str(tmp_path)]
-    for kv in tiny:
-        cmd += ["--set", kv]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = run_bench("data", "--gb", "0.01", "--steps", "8", "--out", tmp_path)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "bench_data.json").read_text())
     assert res["corpus_bytes"] >= 0.01 * 2**30 * 0.99 and res["prepare"]["mb_per_s"] > 0

@@ -16,7 +16,7 @@ from minagi.dispatch import expert_mlp
 from minagi.model import ByteModel
 from minagi.reference import bucket
 
-from conftest import EXT, assert_close
+from conftest import BENCH_TINY, EXT, assert_close, run_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ["rectangle", "grouped"] + (["compiled"] if EXT else [])
@@ -143,13 +143,8 @@ def test_soak_report_needs_samples():
 
 def test_soak_command_writes_json_and_png(tmp_path):
     pytest.importorskip("matplotlib")
-    tiny = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=6",
-            "model.ngram=1", "data.context=32", "train.batch=4", "train.eval_chunks=4", "train.eval_every=5",
-            "train.checkpoint_every=10"]
-    cmd = [sys.executable, "-m", "minagi.bench", "soak", "--minutes", "0.1", "--every", "1", "--out", str(tmp_path)]
-    for kv in tiny:
-        cmd += ["--set", kv]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = run_bench("soak", "--minutes", "0.1", "--every", "1", "--out", tmp_path,
+                  overrides=(*BENCH_TINY, "model.ngram=1", "train.eval_every=5", "train.checkpoint_every=10"))
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "soak.json").read_text())
     assert res["samples"] >= 5 and res["peak_rss_mb"] > 0 and res["char_per_s"] > 0

@@ -50,7 +50,7 @@ USAGE = """usage: minagi COMMAND [options]   (or python -m minagi COMMAND)
   eval    bits per character of a checkpoint on your text   minagi eval DIR --data PATH
   plot    draw a run's history                             minagi plot DIR
   routes  how a checkpoint routes, row by row              minagi routes DIR
-  prepare a corpus once, memory-mapped by training         minagi prepare SRC OUT
+  prepare a corpus once, read from disk by training        minagi prepare SRC OUT
   doctor  what this install runs on (extension, threads, allocator)
   bench   benchmarks: dispatch, train, write, quality, soak"""
 

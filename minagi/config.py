@@ -75,7 +75,7 @@ class DataConfig:
     path: str = ""  # "" = the Python standard library's source
     heldout_every: int = 20  # every 20th file (by a stable hash of its path) is held out
     # A raw corpus larger than this many bytes is not read into memory: prepare it (python
-    # train.py prepare SRC OUT) and train on the prepared folder, which is memory-mapped.
+    # train.py prepare SRC OUT) and train on the prepared folder, read from disk as batches need it.
     max_in_memory: int = 2 << 30
 
 

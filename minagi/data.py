@@ -159,7 +159,7 @@ def _read_in_memory(p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
 def load_corpus(path: str = "", heldout_every: int = 20, max_in_memory: int = 2 << 30) -> Corpus:
     """Train / held-out split by file. A single file (or a folder whose hash split leaves one side
     empty) holds out its last 1 / heldout_every of bytes instead. A prepared folder (its
-    corpus.json; python train.py prepare) is memory-mapped from disk instead of read; a raw
+    corpus.json; python train.py prepare) is read from disk as batches need it; a raw
     corpus larger than max_in_memory bytes is an error that says how to prepare it."""
     if path and (Path(path).expanduser() / META).exists():
         return open_prepared(path)

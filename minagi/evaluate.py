@@ -13,7 +13,7 @@ from .data import META, DataError, folder_files, open_prepared
 
 def read_bytes(path: str) -> torch.Tensor:
     """Every byte of a file or folder (files in path order); of a prepared folder, its held-out
-    bytes (memory-mapped)."""
+    bytes."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"--data {path}: no such file or folder")

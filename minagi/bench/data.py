@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..memory import peak_resident_bytes
+
 TARGETS = {"prepare_peak_mb": 300, "prepare_mb_per_s": 100, "rss_over_default_mb": 150, "char_per_s_loss": 0.05,
            "startup_over_default_s": 2.0}
 
@@ -56,12 +58,6 @@ def synthesize(folder: Path, nbytes: int, log) -> int:
     return written
 
 
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def child_prepare(src: str, out: str) -> dict:
     from ..data import prepare
 
@@ -69,7 +65,7 @@ def child_prepare(src: str, out: str) -> dict:
     meta = prepare(src, out, force=True)
     secs = time.perf_counter() - t0
     total = meta["train_bytes"] + meta["heldout_bytes"]
-    return {"bytes": total, "seconds": secs, "mb_per_s": total / 2**20 / secs, "peak_rss_mb": _peak_rss() / 2**20}
+    return {"bytes": total, "seconds": secs, "mb_per_s": total / 2**20 / secs, "peak_rss_mb": peak_resident_bytes() / 2**20}
 
 
 def child_train(data: str, out: str, steps: int, overrides: list[str], t_spawn: float) -> dict:
@@ -88,7 +84,7 @@ def child_train(data: str, out: str, steps: int, overrides: list[str], t_spawn: 
     cfg = load("cpu-tiny", [*overrides, f"train.steps={steps}", f"train.checkpoint_every={steps}",
                             f"train.eval_every={steps}", *([f"data.path={data}"] if data else [])])
     train(cfg, out, progress=False, callbacks=[watch])
-    return {"startup_s": first[0] - t_spawn, "char_per_s": chars[0] / train_s[0], "peak_rss_mb": _peak_rss() / 2**20}
+    return {"startup_s": first[0] - t_spawn, "char_per_s": chars[0] / train_s[0], "peak_rss_mb": peak_resident_bytes() / 2**20}
 
 
 def _child(kind: str, *args) -> dict:

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..memory import peak_resident_bytes, resident_bytes
+
 SAMPLES = "soak_samples.jsonl"
 WARMUP_FRAC = 0.2
 TARGETS = {"peak_rss_mb": 1000.0, "slope_mb_per_kstep": 5.0, "drift": 0.05}  # the default profile's, on the CPU
@@ -131,10 +133,6 @@ class Sampler:
         self.file = open(path, "w")
 
     def __call__(self, info) -> bool:
-        from ..memory import peak_resident_bytes, resident_bytes
-
-        import torch
-
         if self.t0 is None:
             self.t0 = time.perf_counter() - info.step_s
         self.chars += info.chars
@@ -147,6 +145,8 @@ class Sampler:
                    "train_s": self.train_s,
                    "rss": resident_bytes(), "peak_rss": peak_resident_bytes()}
             if self.device.type == "cuda":
+                import torch
+
                 rec.update(allocated=torch.cuda.memory_allocated(self.device),
                            reserved=torch.cuda.memory_reserved(self.device))
             self.file.write(json.dumps(rec) + "\n")

@@ -21,6 +21,17 @@ class BalanceInputs:
     n_pool: int
     n_slots: int
     row_loads: list  # per row, a pool.RowRoute (router logits, real load per slot, real rows), for load-aware terms
+    # Data parallelism (minagi.distributed.Sum): sums across the ranks, whose characters make one
+    # batch; None in one process. Each rank's term is then scaled so that DDP's mean of the ranks'
+    # gradients is the gradient of the term over the whole batch.
+    sync: object = None
+    n_rows: int = 0  # the model's max_rows: ranks may run different numbers of rows
+
+    def global_count(self, n: int) -> float:
+        """The batch's characters over every rank (n in one process)."""
+        if self.sync is None:
+            return float(n)
+        return float(self.sync(torch.tensor([float(n)], device=self.affinity_NP.device, dtype=torch.float64)))
 
 
 class AdmissionBalance:
@@ -29,7 +40,10 @@ class AdmissionBalance:
     name = "admission"
 
     def __call__(self, inp: BalanceInputs) -> torch.Tensor:
-        P_P = inp.affinity_NP.float().mean(0)
+        if inp.sync is None:
+            P_P = inp.affinity_NP.float().mean(0)
+        else:  # this rank's share of the whole batch's mean, times the ranks (DDP averages)
+            P_P = inp.affinity_NP.float().sum(0) * (inp.sync.world / inp.global_count(inp.affinity_NP.shape[0]))
         f_P = torch.zeros_like(P_P).index_fill_(0, inp.admitted_S.to(P_P.device), 1.0 / inp.n_slots)
         return inp.n_pool * (f_P * P_P).sum()
 
@@ -45,6 +59,8 @@ class LoadBalance:
     needs_routes = True
 
     def __call__(self, inp: BalanceInputs) -> torch.Tensor:
+        if inp.sync is not None:
+            return self._across_ranks(inp)
         terms = []
         for logits_NS, load_S, n_valid in inp.row_loads:
             if n_valid == 0:
@@ -53,6 +69,32 @@ class LoadBalance:
             P_S = torch.softmax(logits_NS.float(), dim=-1)[:n_valid].mean(0)
             f_S = load_S.float() / load_S.sum().clamp(min=1)
             terms.append(logits_NS.shape[1] * (f_S * P_S).sum())
+        if not terms:
+            return inp.affinity_NP.new_zeros(()).float()
+        return torch.stack(terms).mean()
+
+    def _across_ranks(self, inp: BalanceInputs) -> torch.Tensor:
+        """The term over the whole batch: every row's load and character count summed across the
+        ranks (one all_reduce, [rows, S + 1]; a row a rank did not run counts zero there), the
+        probabilities this rank's share of the batch's mean, times the ranks."""
+        S = inp.n_slots
+        stats = torch.zeros(inp.n_rows, S + 1, dtype=torch.float64, device=inp.affinity_NP.device)
+        for r, (_, load_S, n_valid) in enumerate(inp.row_loads):
+            stats[r, :S] = load_S.to(stats)
+            stats[r, S] = n_valid
+        inp.sync(stats)
+        counts = stats[:, S].tolist()
+        terms = []
+        for r, n_global in enumerate(counts):
+            if not n_global:
+                continue
+            f_S = (stats[r, :S] / stats[r, :S].sum().clamp(min=1)).float()
+            if r < len(inp.row_loads) and inp.row_loads[r].n_valid:
+                logits_NS, _, n_valid = inp.row_loads[r]
+                P_S = torch.softmax(logits_NS.float(), dim=-1)[:n_valid].sum(0) * (inp.sync.world / n_global)
+                terms.append(S * (f_S.to(P_S.device) * P_S).sum())
+            else:  # no character of this rank reached the row: no gradient from here
+                terms.append(inp.affinity_NP.new_zeros(()).float())
         if not terms:
             return inp.affinity_NP.new_zeros(()).float()
         return torch.stack(terms).mean()
@@ -86,10 +128,20 @@ class BiasBalance:
         return inp.affinity_NP.new_zeros(()).float()
 
     @torch.no_grad()
-    def update(self, bias_P: torch.Tensor, rate: float, apply: bool = True) -> None:
+    def update(self, bias_P: torch.Tensor, rate: float, apply: bool = True, sync=None) -> None:
         """Move bias_P (in place) from the loads since the last update, then forget them; a
-        skipped step (apply=False) only forgets them."""
+        skipped step (apply=False) only forgets them. sync: the loads are summed across the
+        ranks first, so every rank moves its biases alike."""
         pending, seen, self.pending_P, self.seen_P = self.pending_P, self.seen_P, None, None
+        if sync is not None:  # every rank takes part, with or without loads of its own
+            n = bias_P.numel()
+            both = torch.zeros(2 * n, dtype=torch.float64, device=bias_P.device)
+            if pending is not None:
+                both[:n], both[n:] = pending.to(both), seen.to(both)
+            sync(both)
+            pending, seen = both[:n], both[n:] > 0
+            if not bool(seen.any()):
+                pending = None
         if not apply or pending is None:
             return
         idx = seen.nonzero().squeeze(1)

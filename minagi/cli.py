@@ -19,10 +19,11 @@ from .allocator import AllocatorError
 from .checkpoint import CheckpointError
 from .config import DEFAULT_PROFILE, ConfigError, load, profile_names
 from .data import DataError
+from .distributed import DistributedError, launched, rank
 from .guard import Diverged, Interrupted
 from .plot import PlotError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError, DistributedError)
 
 
 # How the commands are called, for usage lines and hints: train.py trains without a subcommand;
@@ -61,9 +62,12 @@ def run_train(argv) -> int:
         print(f"minagi: {exc}", file=sys.stderr)
         return exc.exit_status
     except Interrupted as exc:
-        print(f"minagi: {exc} Resume with: {PROG['train']} --resume --out {out}", file=sys.stderr)
+        if rank() == 0:
+            again = ("the same torchrun command with --resume" if launched()
+                     else f"{PROG['train']} --resume --out {out}")
+            print(f"minagi: {exc} Resume with: {again}", file=sys.stderr)
         return exc.exit_status
-    if record:
+    if record and rank() == 0:
         print(f"done: step {record['step']}, held-out {record['heldout_bpc']:.3f} bits/char, "
               f"{record['char_per_s']:,.0f} char/s; checkpoint and history in {out}")
     return 0

@@ -61,7 +61,14 @@ class TrainConfig:
     checkpoint_every: int = 200
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch CPU threads; 0 = every core
+    threads: int = 0  # torch CPU threads; 0 = every core (under torchrun: the cores / the ranks on this machine)
+    # Micro-batches per optimizer step: the gradients of grad_accum batches are averaged into one
+    # step (under torchrun, synchronised across ranks on the last only). The global batch is
+    # batch x grad_accum x the ranks.
+    grad_accum: int = 1
+    # Under torchrun: seconds a collective waits for the other ranks before it fails (a rank that
+    # died or hangs stops the run with torch's timeout error instead of a silent hang).
+    dist_timeout: float = 300.0
     # Consecutive steps with a non-finite loss or gradient norm (each skipped) before the run
     # stops with exit status 3; 0 turns the guard off.
     max_bad_steps: int = 10
@@ -222,6 +229,8 @@ def validate(cfg: Config) -> None:
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr_frac <= 1, "train.lr must be > 0 and train.min_lr_frac in [0, 1]"),
         (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),
+        (t.grad_accum >= 1, "train.grad_accum must be >= 1 (micro-batches per optimizer step)"),
+        (t.dist_timeout > 0, "train.dist_timeout must be > 0 (seconds)"),
         (t.malloc_trim_every >= 0, "train.malloc_trim_every must be >= 0 (0 = never)"),
         (t.max_bad_steps >= 0, "train.max_bad_steps must be >= 0 (0 turns the divergence guard off)"),
         (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device must be auto, cpu or cuda, got {t.device!r}"),

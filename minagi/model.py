@@ -81,16 +81,24 @@ class ExpertPool(nn.Module):
             # Bias balancing: per pool expert, added to its router logit for the choice only.
             self.register_buffer("route_bias", torch.zeros(cfg.n_pool))
 
-    def admit(self, x_ND: torch.Tensor, device: torch.device):
-        """(card on `device`, admitted pool rows [S], affinity [N, P])."""
-        aff_NP = torch.softmax(F.rms_norm(x_ND, (x_ND.shape[-1],)) @ self.router.to(device, x_ND.dtype).t(), dim=-1)
+    def affinity(self, x_ND: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Each character's admission affinity [N, P]: a softmax over the pool."""
+        return torch.softmax(F.rms_norm(x_ND, (x_ND.shape[-1],)) @ self.router.to(device, x_ND.dtype).t(), dim=-1)
+
+    def top(self, mean_P: torch.Tensor) -> torch.Tensor:
+        """The n_slots pool rows of highest mean affinity, in pool order (ties to the lower row)."""
+        return torch.sort(torch.sort(mean_P, descending=True, stable=True).indices[: self.n_slots]).values
+
+    def admit(self, x_ND: torch.Tensor, device: torch.device, admitted_S: torch.Tensor | None = None):
+        """(card on `device`, admitted pool rows [S], affinity [N, P]). admitted_S: the card chosen
+        beforehand (over a whole optimizer step: ByteModel.choose_card) instead of from x."""
+        aff_NP = self.affinity(x_ND, device)
         if self.n_slots == self.n_pool:
             admitted_S = torch.arange(self.n_pool, device=device)
             card = Card(self.router, self.w_in, self.w_out)
         else:
-            mean_P = aff_NP.detach().float().mean(0)
-            top = torch.sort(mean_P, descending=True, stable=True).indices[: self.n_slots]
-            admitted_S = torch.sort(top).values
+            if admitted_S is None:
+                admitted_S = self.top(aff_NP.detach().float().mean(0))
             rows = admitted_S.to(self.w_in.device)
             card = Card(*(t.index_select(0, rows).to(device) for t in (self.router, self.w_in, self.w_out)))
         self.last_admitted = admitted_S
@@ -114,6 +122,10 @@ class ModelOutput:
 
 
 class ByteModel(nn.Module):
+    # Data parallelism sets a minagi.distributed.Sum here: in training, the balance terms and
+    # choose_card then look across every rank's characters (evaluation and decoding stay local).
+    sync = None
+
     def __init__(self, cfg: ModelConfig, context: int):
         super().__init__()
         self.cfg, self.context = cfg, context
@@ -212,14 +224,34 @@ class ByteModel(nn.Module):
         cum = cum + torch.where(go_on, p, torch.zeros_like(p))
         return go_on, cum, out, remainder
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
+    @torch.no_grad()
+    def choose_card(self, idx_list) -> torch.Tensor | None:
+        """The card of one optimizer step made of several batches (micro-batches, and under data
+        parallelism every rank's): the n_slots experts of highest mean affinity over all their
+        characters, as one batch of them all would admit. None when the whole pool is the card."""
+        if self.cfg.n_slots == self.cfg.n_pool:
+            return None
+        sum_P, n = 0.0, 0
+        for idx_BT in idx_list:
+            h = self.embed_bytes(idx_BT)
+            aff_NP = self.pool.affinity(h.reshape(-1, h.shape[-1]), h.device)
+            sum_P, n = sum_P + aff_NP.double().sum(0), n + aff_NP.shape[0]
+        both = torch.cat([sum_P, sum_P.new_full((1,), n)])
+        if self.sync is not None:
+            self.sync(both)
+        return self.pool.top((both[:-1] / both[-1]).float())
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                admitted_S: torch.Tensor | None = None) -> ModelOutput:
+        """Logits, and with targets the loss. admitted_S: the pool rows on the card, chosen
+        beforehand (choose_card); None admits from this batch."""
         cfg = self.cfg
         B, T = idx_BT.shape
         if T > self.context:
             raise ValueError(f"ByteModel: {T} positions but the model's context is {self.context}")
         h = self.embed_bytes(idx_BT)
         dev = h.device
-        card, admitted, aff_NP = self.pool.admit(h.reshape(B * T, -1), dev)
+        card, admitted, aff_NP = self.pool.admit(h.reshape(B * T, -1), dev, admitted_S)
         bias_S = self.pool.card_bias(admitted, dev)
         cos, sin = self.rotary_tables(T, dev, h.dtype)
         adaptive = cfg.adaptive_rows
@@ -251,7 +283,8 @@ class ByteModel(nn.Module):
         ce = F.cross_entropy(logits.float().view(-1, VOCAB), targets_BT.reshape(-1))
         ponder = (rows_used + remainder).mean() if adaptive else rows_used.mean()
         routes, self.mlp.route_log = self.mlp.route_log or [], None
-        balance = self.balance_term(BalanceInputs(aff_NP, admitted, cfg.n_pool, cfg.n_slots, routes))
+        sync = self.sync if self.training else None
+        balance = self.balance_term(BalanceInputs(aff_NP, admitted, cfg.n_pool, cfg.n_slots, routes, sync, cfg.max_rows))
         loss = ce + (cfg.ponder_cost * ponder if adaptive else 0.0) + cfg.balance_coef * balance
         result.loss, result.ce, result.ponder, result.balance = loss, ce, ponder.detach(), balance.detach()
         return result
@@ -261,7 +294,7 @@ class ByteModel(nn.Module):
         balance term's own update outside the gradient (bias balancing moves its biases)."""
         update = getattr(self.balance_term, "update", None)
         if update is not None:
-            update(self.pool.route_bias, self.cfg.bias_rate, apply=applied)
+            update(self.pool.route_bias, self.cfg.bias_rate, apply=applied, sync=self.sync)
 
     def new_cache(self) -> "RowCache":
         return RowCache(self)

@@ -1,11 +1,13 @@
 """The training loop: AdamW (off-card experts untouched), warmup + cosine, gradient clipping,
-bfloat16 autocast on GPUs, held-out bits per character, atomic checkpoints, exact resume, and the
-history file (one JSON record per checkpoint)."""
+gradient accumulation, bfloat16 autocast on GPUs, held-out bits per character, atomic
+checkpoints, exact resume, and the history file (one JSON record per checkpoint). Under torchrun
+the same loop trains one model on every rank (minagi/distributed.py): rank 0 writes the
+checkpoints, the history and the progress."""
 from __future__ import annotations
 
 import json
 import math
-import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import _backend, allocator, checkpoint
+from . import _backend, allocator, checkpoint, distributed
 from .config import Config
 from .data import Batches, check_fits, fixed_chunks, load_corpus
 from .dispatch import resolve_path
@@ -62,17 +64,22 @@ def autocast(cfg: Config, device: torch.device):
 
 
 @torch.no_grad()
-def heldout_bpc(model, inputs, targets, batch: int, cfg: Config, device) -> float:
-    """Mean bits per character over fixed held-out chunks."""
+def heldout_bpc(model, inputs, targets, batch: int, cfg: Config, device, dist=distributed.SINGLE) -> float:
+    """Mean bits per character over fixed held-out chunks. Under data parallelism each rank
+    scores every world-th batch of them and the sums are added up: the same batches (so the same
+    admitted cards) and the same figure as one process."""
     model.eval()
     total, count = 0.0, 0
-    for i in range(0, inputs.shape[0], batch):
+    for b, i in enumerate(range(0, inputs.shape[0], batch)):
+        if b % dist.world != dist.rank:
+            continue
         x, y = inputs[i:i + batch].to(device), targets[i:i + batch].to(device)
         with autocast(cfg, device):
             logits = model(x).logits
         total += float(torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1), reduction="sum"))
         count += y.numel()
     model.train()
+    total, count = distributed.agree(dist, device, total, count)
     return total / count / LN2
 
 
@@ -99,7 +106,9 @@ class Window:
     load_entropy: float = 0.0
     slot_load: list = field(default_factory=list)  # pairs per card slot, every row of every step
 
-    def add(self, out, loss: float, ce: float, chars: int, seconds: float, max_rows: int, skipped=False) -> None:
+    def add(self, outs, loss: float, ce: float, chars: int, seconds: float, max_rows: int, skipped=False) -> None:
+        """One optimizer step: outs, the model's outputs of its micro-batches (this rank's); chars,
+        the characters of the whole step (every rank's)."""
         self.chars += chars
         self.train_s += seconds
         if skipped:  # its loss is not finite: no figure of it would mean anything
@@ -108,7 +117,12 @@ class Window:
         self.loss_sum += loss
         self.ce_sum += ce
         self.steps += 1
-        self.rows.append(torch.bincount(out.rows_used.reshape(-1).long().cpu(), minlength=max_rows + 1)[1:])
+        self.rows.append(sum(torch.bincount(out.rows_used.reshape(-1).long().cpu(), minlength=max_rows + 1)[1:]
+                             for out in outs))
+        for out in outs:
+            self._add_routing(out)
+
+    def _add_routing(self, out) -> None:
         for st in out.dispatch:
             self.routed += st.routed_pairs
             self.dropped += st.dropped_pairs
@@ -222,18 +236,27 @@ class Run:
     sched: torch.optim.lr_scheduler.LambdaLR
     batches: Batches
     path: str  # the dispatch path
+    dist: distributed.Dist = distributed.SINGLE
+    engine: torch.nn.Module | None = None  # what runs training's forward: the model, or the model in DDP
     step: int = 0
     elapsed0: float = 0.0  # seconds of the run before this process
     last_bpc: float = float("nan")
     saved_step: int | None = None  # the step of the checkpoint on disk
     saved_record: dict | None = None  # its history record
+    saved_world: int | None = None  # the ranks of the run that wrote the checkpoint resumed from
 
-    def state(self, record: dict, window: Window) -> dict:
+    def rng_state(self) -> dict:
+        return {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+
+    def state(self, record: dict, window: Window, rngs: list) -> dict:
+        """The checkpoint. rngs: every rank's random state, in rank order (the data position is
+        one generator, the same on every rank)."""
         return {
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
             "step": self.step, "data": self.batches.state(), "config": self.cfg.to_dict(), "record": record,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+            "rng": {**rngs[0], "ranks": rngs},
+            "world": self.dist.world,
             "dispatch": {"path": self.path, "extension": _backend.loaded()},
             "elapsed_s": record["time_s"],
             "window": asdict(window),  # empty unless the run stopped between records (a signal)
@@ -244,10 +267,13 @@ class Run:
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
         self.batches.set_state(ckpt["data"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if self.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
+        rngs = ckpt["rng"].get("ranks") or [ckpt["rng"]]
+        rng = rngs[self.dist.rank] if ckpt.get("world", 1) == self.dist.world else rngs[0]
+        torch.set_rng_state(rng["torch"])
+        if self.device.type == "cuda" and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.step = self.saved_step = ckpt["step"]
+        self.saved_world = ckpt.get("world", 1)
         self.elapsed0 = ckpt["elapsed_s"]
         self.saved_record = ckpt.get("record")
         if self.saved_record:
@@ -271,58 +297,77 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
                    for sec, table in cfg.to_dict().items() if isinstance(table, dict)
                    for k, v in table.items() if getattr(getattr(saved, sec), k) != v]
         cfg = saved
-    torch.set_num_threads(cfg.train.threads or os.cpu_count() or 1)
     device = resolve_device(cfg.train.device)
+    dist = distributed.start(device.type, cfg.train.dist_timeout)
+    if dist.active and device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
+    torch.set_num_threads(distributed.threads(cfg.train.threads, dist))
     corpus = load_corpus(cfg.data.path, cfg.data.heldout_every, cfg.data.max_in_memory)
     check_fits(corpus, cfg.data.context)
     model, opt, sched = build(cfg, device)
-    batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed)
-    run = Run(cfg, out_dir, device, model, opt, sched, batches, resolve_path(cfg.model.dispatch, device))
+    batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed, rank=dist.rank,
+                      world=dist.world, accum=cfg.train.grad_accum)
+    run = Run(cfg, out_dir, device, model, opt, sched, batches, resolve_path(cfg.model.dispatch, device), dist)
     history = out_dir / HISTORY
     window = Window()
     if ckpt is not None:
         window = run.restore(ckpt)
-        _rewrite_history(history, run.step, ckpt.get("record"))
-    elif history.exists():
+        if dist.main:
+            _rewrite_history(history, run.step, ckpt.get("record"))
+    elif history.exists() and dist.main:
         history.unlink()  # a fresh run owns its folder's history
+    run.engine = distributed.wrap(model, dist, device)  # after the restore: DDP starts from these weights
     heldout = fixed_chunks(corpus.heldout, cfg.data.context, cfg.train.eval_chunks, cfg.train.seed + 1)
     return run, window, heldout, corpus, ignored
 
 
 def _train_step(run: Run, guard: DivergenceGuard):
-    """One optimizer step; returns (output, characters, loss, skipped). A step the guard rejects leaves the
-    parameters and the optimizer (moments, step counts) as they were; the schedule moves on."""
-    x, y = run.batches.next()
-    x, y = x.to(run.device), y.to(run.device)
-    with autocast(run.cfg, run.device):
-        out = run.model(x, y)
-    out.loss.backward()
+    """One optimizer step over grad_accum micro-batches; returns (outputs, characters of every
+    rank, loss, ce, skipped), the loss and ce averaged over the micro-batches and the ranks. A
+    step the guard rejects leaves the parameters and the optimizer (moments, step counts) as they
+    were; the schedule moves on."""
+    micro = [(x.to(run.device), y.to(run.device)) for x, y in run.batches.next_step()]
+    # Several batches make this step (micro-batches, ranks): one card for them all, as one batch would admit.
+    card = run.model.choose_card([x for x, _ in micro]) if len(micro) * run.dist.world > 1 else None
+    outs = []
+    for a, (x, y) in enumerate(micro):
+        with distributed.no_sync(run.engine, last=a == len(micro) - 1), autocast(run.cfg, run.device):
+            out = run.engine(x, y, card)
+            (out.loss / len(micro)).backward()
+        outs.append(out)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip)
-    ok = guard.step_ok(out.loss, grad_norm)
+    n = len(micro) * run.dist.world
+    loss, ce = (v / n for v in distributed.agree(run.dist, run.device, *(
+        sum(float(getattr(o, k).detach()) for o in outs) for k in ("loss", "ce"))))
+    ok = guard.step_ok(torch.tensor(loss), grad_norm)  # the same loss and norm on every rank
     if ok:
         run.opt.step()
     run.model.balance_step(applied=ok)
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
-    loss = float(out.loss.detach())
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     run.step += 1
-    return out, x.numel(), loss, not ok
+    return outs, sum(x.numel() for x, _ in micro) * run.dist.world, loss, ce, not ok
 
 
 def _save(run: Run, window: Window, record: dict) -> None:
     """Checkpoint and history record, unless the state is not finite: then the checkpoint on disk
-    (the last good one) stays, and the run stops."""
+    (the last good one) stays, and the run stops. Every rank comes here (the replicas are checked
+    and the random states gathered); rank 0 writes, the others wait for it."""
+    distributed.check_replicas(run.model, run.dist, run.step)
     bad = nonfinite(state_tensors(run.model, run.opt))
     if bad:
         raise Diverged(f"at step {run.step} the model or optimizer state is not finite ({len(bad)} tensors, "
                        f"e.g. {', '.join(bad[:3])}); it was not saved. The last good checkpoint is "
                        f"{run.last_good()}. {ADVICE}.")
-    checkpoint.save(run.state(record, window), run.out_dir / checkpoint.CHECKPOINT)
+    rngs = distributed.gather_objects(run.dist, run.rng_state())
+    if run.dist.main:
+        checkpoint.save(run.state(record, window, rngs), run.out_dir / checkpoint.CHECKPOINT)
+        with open(run.out_dir / HISTORY, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    distributed.barrier(run.dist)
     run.saved_step = run.step
-    with open(run.out_dir / HISTORY, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def _checkpoint(run: Run, window: Window, t_start: float):
@@ -351,39 +396,82 @@ class SinkWatch:
                            f"(routes {self.out_dir}); see model.balance")
 
 
+def _describe(run: Run, corpus, resume: bool) -> str:
+    cfg, t, d = run.cfg, run.cfg.train, run.dist
+    scale = (f"; {d.world} ranks (torchrun, DDP over {torch.distributed.get_backend()}), global batch "
+             f"{t.batch} x {t.grad_accum} x {d.world} = {t.batch * t.grad_accum * d.world} chunks" if d.active
+             else f"; batch {t.batch} x {t.grad_accum} micro-batches" if t.grad_accum > 1 else "")
+    return (f"minagi: profile {cfg.profile}, {sum(p.numel() for p in run.model.parameters()):,} parameters, "
+            f"{run.device}, dispatch {run.path}{'' if _backend.loaded() else ' (pure torch)'}, "
+            f"allocator {allocator.describe()}, {torch.get_num_threads()} threads{scale}; {corpus.describe()}"
+            + (f"; resuming at step {run.step}" if resume else ""))
+
+
+def _world_note(run: Run) -> str | None:
+    """One line when a run resumes at another world size than the checkpoint's."""
+    if run.saved_world in (None, run.dist.world):
+        return None
+    t = run.cfg.train
+    return (f"minagi: the checkpoint was saved by {run.saved_world} rank(s), this run has {run.dist.world}: the model, "
+            f"optimizer and schedule go on from step {run.step}; the data stream goes on from its saved position "
+            f"with the new global batch ({t.batch * t.grad_accum * run.dist.world} chunks), so the chunks differ "
+            "from an uninterrupted run's")
+
+
+def _agree_stop(run: Run, signals: GracefulStop, stop: bool) -> bool:
+    """Whether any rank's callback asked to stop; a signal caught on any rank becomes every
+    rank's (SIGTERM first), so that they all checkpoint at this step and exit alike."""
+    caught = signals.requested
+    asked, term, intr = distributed.agree(run.dist, run.device, float(stop), float(caught == signal.SIGTERM),
+                                          float(caught == signal.SIGINT))
+    if caught is None and (term or intr):
+        signals.requested = signal.SIGTERM if term else signal.SIGINT
+    return asked > 0
+
+
 def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=()) -> dict:
     """Train (or resume) into out_dir; returns the last history record. callbacks: functions
     called with a StepInfo after every step; one that returns True ends the run there, with a
     checkpoint at that step (as a finished run has). Raises guard.Diverged when the run
-    diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT."""
+    diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT.
+    Under torchrun (minagi/distributed.py) every rank runs this; the ranks stop together."""
     out_dir = Path(out_dir)
     run, window, (eval_x, eval_y), corpus, ignored = _start(cfg, out_dir, resume)
-    cfg, device, t = run.cfg, run.device, run.cfg.train
-    bar = Progress(t.steps, run.step, progress)
+    try:
+        return _loop(run, window, eval_x, eval_y, corpus, ignored, resume, progress, callbacks)
+    finally:
+        distributed.stop(run.dist)
+
+
+def _loop(run: Run, window, eval_x, eval_y, corpus, ignored, resume, progress, callbacks) -> dict:
+    cfg, device, t, out_dir = run.cfg, run.device, run.cfg.train, run.out_dir
+    bar = Progress(t.steps, run.step, progress and run.dist.main)
     if ignored:
         bar.write("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
-    bar.write(f"minagi: profile {cfg.profile}, {sum(p.numel() for p in run.model.parameters()):,} parameters, "
-              f"{device}, dispatch {run.path}{'' if _backend.loaded() else ' (pure torch)'}, "
-              f"allocator {allocator.describe()}; {corpus.describe()}"
-              + (f"; resuming at step {run.step}" if resume else ""))
+    bar.write(_describe(run, corpus, resume))
+    if _world_note(run):
+        bar.write(_world_note(run))
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, out_dir), time.perf_counter(), None
     trim = allocator.HeapTrim(t.malloc_trim_every if device.type == "cpu" else 0)
     run.model.train()
     with GracefulStop() as signals:
         while run.step < t.steps:
             t0 = time.perf_counter()
-            out, chars, loss, skipped = _train_step(run, guard)
+            outs, chars, loss, ce, skipped = _train_step(run, guard)
             trim(run.step)  # counted in the step's time: its cost is the trim and the pages faulted back
             seconds = time.perf_counter() - t0
-            window.add(out, loss, float(out.ce.detach()), chars, seconds, cfg.model.max_rows, skipped)
+            window.add(outs, loss, ce, chars, seconds, cfg.model.max_rows, skipped)
             guard.check(run.step, run.last_good())
-            rows_mean = float(out.rows_used.mean())
+            rows_mean = float(sum(o.rows_used.mean() for o in outs) / len(outs))
             bar.update(run.step, loss, window.chars / window.train_s, rows_mean)
             info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped, rows_mean)
-            stop = any([bool(cb(info)) for cb in callbacks]) or signals.requested is not None
+            stop = any([bool(cb(info)) for cb in callbacks])
+            if run.dist.active:  # a stop asked for on any rank stops every rank at this step
+                stop = _agree_stop(run, signals, stop)
+            stop = stop or signals.requested is not None
             last = run.step == t.steps or stop
             if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
-                run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device)
+                run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device, run.dist)
                 bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits/char")
             if run.step % t.checkpoint_every == 0 or last:
                 record, window = _checkpoint(run, window, t_start)

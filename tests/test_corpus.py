@@ -1,5 +1,5 @@
 """Corpora of any size: prepare (both split rules, streamed, never half-written), the prepared
-folder memory-mapped with batches identical to the raw path's, the errors, max_in_memory."""
+folder read through memory maps with batches identical to the raw path's, the errors, max_in_memory."""
 import json
 import os
 import signal
@@ -99,6 +99,20 @@ def test_interrupted_prepare_never_looks_complete(folder, tmp_path):
         open_prepared(tmp_path / "p")
     prepare(str(folder), tmp_path / "p", force=True)
     assert open_prepared(tmp_path / "p").train.numel() > 0
+
+
+def test_mapped_chunks_equal_in_memory_chunks_and_a_shrunk_file_is_named(folder, tmp_path):
+    from minagi.data import take
+
+    prepare(str(folder), tmp_path / "p")
+    raw, prep = load_corpus(str(folder)), open_prepared(tmp_path / "p")
+    starts = torch.tensor([0, 5, raw.train.numel() - 65, 1234])
+    assert torch.equal(take(prep.train, starts, 65), take(raw.train, starts, 65))
+    assert take(prep.train, starts[:0], 65).shape == (0, 65)
+    with open(tmp_path / "p" / "train.bin", "r+b") as f:  # shrunk under a running process
+        f.truncate(100)
+    with pytest.raises(DataError, match="train.bin is shorter than it was"):
+        take(prep.train, starts, 65)
 
 
 def test_bad_prepared_folders_are_named(folder, tmp_path):

@@ -28,8 +28,8 @@ def nan_after(monkeypatch):
     """Training losses turn NaN from the given forward call on (a test double of the model)."""
     calls, plain = {"n": 0, "from": None}, ByteModel.forward
 
-    def forward(self, idx, targets=None):
-        out = plain(self, idx, targets)
+    def forward(self, idx, targets=None, admitted=None):
+        out = plain(self, idx, targets, admitted)
         if targets is not None:
             calls["n"] += 1
             if calls["from"] is not None and calls["n"] >= calls["from"]:
@@ -58,7 +58,7 @@ def test_a_skipped_step_changes_nothing(tmp_path, text_file, nan_after):
     trainer._train_step(run, guard)
     before = _state(run)
     nan_after(2)
-    _, _, loss, skipped = trainer._train_step(run, guard)
+    _, _, loss, _, skipped = trainer._train_step(run, guard)
     assert skipped and loss != loss and guard.consecutive == 1 and guard.skipped == 1
     after = _state(run)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -68,8 +68,8 @@ def test_a_skipped_step_changes_nothing(tmp_path, text_file, nan_after):
 def test_divergence_stops_with_status_3_and_keeps_the_good_checkpoint(tmp_path, text_file):
     # The command line, with the model's losses turned NaN from the 6th step (test double).
     script = ("import sys; from minagi.model import ByteModel; plain = ByteModel.forward; n = [0]\n"
-              "def fwd(self, idx, targets=None):\n"
-              "    out = plain(self, idx, targets)\n"
+              "def fwd(self, idx, targets=None, admitted=None):\n"
+              "    out = plain(self, idx, targets, admitted)\n"
               "    if targets is not None:\n"
               "        n[0] += 1\n"
               "        if n[0] >= 6: out.loss = out.loss * float('nan')\n"

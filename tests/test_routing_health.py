@@ -48,7 +48,7 @@ def test_telemetry_against_loads_counted_by_hand():
     w = trainer.Window()
     for _ in range(2):
         out = SimpleNamespace(rows_used=torch.ones(1, 100), dispatch=[st0, st1])
-        w.add(out, 1.0, 1.0, 100, 0.1, 2)
+        w.add([out], 1.0, 1.0, 100, 0.1, 2)
     rec = w.record()
     assert rec["sink_share"] == 0.94 and abs(rec["load_ratio"] - 3.76) < 1e-12
     assert rec["max_load_ratio"] == st0.max_load_ratio and rec["dead_slots"] == 1

@@ -1,0 +1,156 @@
+"""Data parallelism under torchrun (2 ranks, gloo, one thread each, a free port: --standalone
+rendezvous on port 0, train.dist_timeout on every collective): ranks against one process with the
+global batch and with gradient accumulation, a card smaller than the pool, an expert with no
+character on one rank, replicas checked, SIGTERM and resume, a distributed checkpoint in one
+process, a rank that dies."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minagi import distributed
+from minagi.data import Batches
+
+from test_trainer import TINY, _cli, _history
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
+
+# Eight steps, checkpoints every four, one thread; the card smaller than the pool (6 experts, 4 on it).
+ARGS = [*sum((["--set", s] for s in TINY if not s.startswith("train.batch")), []), "--steps", "8",
+        "--set", "train.checkpoint_every=4", "--set", "train.eval_every=4", "--set", "train.threads=1"]
+
+
+def torchrun(*args, script="train.py", env_extra=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def plain(*args):
+    """python train.py ARGS in one process (no torchrun)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+
+
+def weights(run) -> dict:
+    return torch.load(Path(run) / "checkpoint.pt")["model"]
+
+
+def assert_same_weights(a, b, rel=5e-3):
+    """Equal up to float summation order (AdamW's first steps magnify the tiny differences of
+    gradients near zero, so the bound is relative to each tensor's largest weight)."""
+    wa, wb = weights(a), weights(b)
+    for k in wa:
+        if wa[k].is_floating_point():
+            err = (wa[k] - wb[k]).abs().max().item()
+            assert err <= rel * wa[k].abs().max().item() + 1e-7, f"{k}: off by {err}"
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("balance", ["load", "admission"])
+def test_two_ranks_equal_one_process_with_the_global_batch_and_with_grad_accum(tmp_path, balance):
+    b = ["--set", f"model.balance={balance}"]
+    ranks, one, accum = tmp_path / "ranks", tmp_path / "one", tmp_path / "accum"
+    proc = ok(torchrun("--quiet", *ARGS, *b, "--set", "train.batch=2", "--out", str(ranks)))
+    ok(_cli(*ARGS, *b, "--set", "train.batch=4", "--out", str(one)))
+    assert_same_weights(one, ranks)  # replicas bit-identical: checked at every checkpoint, or the run fails
+    hist_r, hist_1 = _history(ranks), _history(one)
+    assert [r["step"] for r in hist_r] == [4, 8]
+    for r, o in zip(hist_r, hist_1):
+        assert abs(r["train_loss"] - o["train_loss"]) < 1e-3 * abs(o["train_loss"])  # the global loss
+    ckpt = torch.load(ranks / "checkpoint.pt")
+    assert ckpt["world"] == 2 and len(ckpt["rng"]["ranks"]) == 2
+    assert "done: step 8" in proc.stdout and proc.stdout.count("done:") == 1  # rank 0 speaks
+    if balance == "admission":  # linear in the batch given the card: accumulation matches too
+        ok(_cli(*ARGS, *b, "--set", "train.batch=2", "--set", "train.grad_accum=2", "--out", str(accum)))
+        assert_same_weights(one, accum)
+        assert [r["step"] for r in _history(accum)] == [4, 8]
+
+
+@pytest.mark.parametrize("case", ["empty", "card", "drift"])
+def test_ddp_gradients_against_one_process(tmp_path, case):
+    """tests/dist_worker.py: an expert with no character on one rank; a card smaller than the pool
+    with the load term summed across ranks; a replica that drifted by one bit."""
+    ok(torchrun(case, str(tmp_path), script="tests/dist_worker.py"))
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    if case == "drift":
+        assert all("on rank 1 differs from rank 0's (attn.proj.weight)" in (r["error"] or "") for r in res)
+        return
+    assert res[0]["max_err"] < 1e-5 and res[1]["max_err"] < 1e-5
+    if case == "empty":  # rank 1 sent nothing to experts 2..5, rank 0 did
+        assert all(load[2:] == [0, 0, 0, 0] for load in res[1]["loads"])
+        assert all(sum(load[2:]) > 0 for load in res[0]["loads"])
+    else:
+        assert res[0]["card"] == res[1]["card"] and len(res[0]["card"]) == 3
+
+
+def test_sigterm_on_one_rank_checkpoints_once_and_resume_is_exact(tmp_path):
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    ok(torchrun("--quiet", *ARGS, "--set", "train.batch=2", "--out", str(full)))
+    proc = torchrun("6", "TERM", "--quiet", *ARGS, "--set", "train.batch=2", "--out", str(stopped),
+                    script="tests/signal_at_step.py", env_extra={"SIGNAL_RANK": "1"})
+    assert proc.returncode != 0 and "stopped by SIGTERM at step 6" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("Resume with: the same torchrun command with --resume") == 1
+    assert torch.load(stopped / "checkpoint.pt")["step"] == 6
+    ok(torchrun("--quiet", *ARGS, "--set", "train.batch=2", "--out", str(stopped), "--resume"))
+    a, b = weights(full), weights(stopped)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, b = _history(full), [r for r in _history(stopped) if r["step"] != 6]  # 6: the signal's own record
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [4, 8]
+    for x, y in zip(a, b):  # the window cut at step 6 carries on
+        assert x["train_loss"] == y["train_loss"] and x["heldout_bpc"] == y["heldout_bpc"], (x, y)
+
+
+def test_a_distributed_checkpoint_writes_and_resumes_in_one_process(tmp_path):
+    run = tmp_path / "run"
+    stopped = torchrun("4", "TERM", "--quiet", *ARGS, "--set", "train.batch=2", "--out", str(run),
+                       script="tests/signal_at_step.py")  # rank 0 this time
+    assert "stopped by SIGTERM at step 4" in stopped.stderr, stopped.stderr[-2000:]
+    w = ok(plain("write", str(run), "--prompt", "def ", "--chars", "20"))
+    assert w.stdout.startswith("def ")
+    proc = ok(plain(*ARGS, "--set", "train.batch=2", "--out", str(run), "--resume"))
+    assert "saved by 2 rank(s), this run has 1" in proc.stderr and "done: step 8" in proc.stdout
+
+
+def test_a_rank_that_dies_stops_the_run_without_a_hang(tmp_path):
+    proc = torchrun("3", "KILL", "--quiet", *ARGS, "--set", "train.batch=2", "--set", "train.dist_timeout=60",
+                    "--out", str(tmp_path / "r"), script="tests/signal_at_step.py", env_extra={"SIGNAL_RANK": "1"},
+                    timeout=240)
+    assert proc.returncode != 0
+    assert "local_rank: 1" in proc.stderr and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_rank_streams_are_the_one_process_batch_split():
+    data = torch.arange(1000, dtype=torch.uint8)
+    one = Batches(data, 8, 6, seed=3).next_step()
+    parts = [Batches(data, 8, 3, seed=3, rank=r, world=2).next_step() for r in (0, 1)]
+    assert torch.equal(torch.cat([parts[0][0][0], parts[1][0][0]]), one[0][0])
+    micro = Batches(data, 8, 3, seed=3, accum=2).next_step()
+    assert torch.equal(torch.cat([micro[0][0], micro[1][0]]), one[0][0])
+
+
+def test_threads_split_the_cores_among_local_ranks():
+    d = distributed.Dist(rank=1, world=4, local_rank=1, local_world=2, active=True)
+    cores = len(os.sched_getaffinity(0))
+    assert distributed.threads(0, d) == max(1, cores // 2)
+    assert distributed.threads(3, d) == 3
+    assert distributed.threads(0, distributed.SINGLE) == cores
+
+
+def test_torchrun_without_torch_distributed_says_what_is_missing(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    with pytest.raises(distributed.DistributedError, match="has no torch.distributed, which torchrun needs"):
+        distributed.start("cpu", 10)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert distributed.start("cpu", 10) is distributed.SINGLE  # plain python train.py: no process group

@@ -9,6 +9,9 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -61,6 +64,30 @@ inline void check_plan_maps(const at::Tensor& dest, const at::Tensor& row_pair, 
   check_same_device(dest, row_pair, op, "dest", "row_pair");
 }
 
+// MINAGI_DEBUG_CHECKS=1: every index tensor a kernel reads is range-checked on the host before
+// the kernel runs (on a GPU a copy and a synchronisation per tensor), so a bad index is an error
+// that names the op, the argument and the position, where a GPU kernel's own device assert would
+// abort the process (ROCm) or leave the GPU unusable for it (CUDA). Off by default. (The CPU
+// kernels check their indices on the host anyway; with the switch this check comes first.)
+inline bool debug_checks() {
+  static const bool on = [] {
+    const char* v = std::getenv("MINAGI_DEBUG_CHECKS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+// With debug_checks(): idx in [lo, hi) elementwise, checked on the host before the kernel runs.
+inline void debug_check_range(const at::Tensor& idx, int64_t lo, int64_t hi, const char* op, const char* name) {
+  if (!debug_checks() || idx.numel() == 0) return;
+  const at::Tensor host = idx.to(at::kCPU).contiguous();
+  const int64_t* p = host.data_ptr<int64_t>();
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    TORCH_CHECK(p[i] >= lo && p[i] < hi, "minagi.", op, ": ", name, " holds ", p[i], " at flat position ", i,
+                ", outside [", lo, ", ", hi, ") (found by MINAGI_DEBUG_CHECKS=1 on the host, before the kernel ran)");
+  }
+}
+
 // ---- Per-op argument checks, shared by the CPU and GPU kernels of each op.
 
 inline void check_routing_args(const at::Tensor& logits, int64_t top_k) {
@@ -85,6 +112,7 @@ inline void check_routing_backward_args(const at::Tensor& grad_gates, const at::
   check_same_device(gates, grad_gates, op, "gates", "grad_gates");
   check_same_device(gates, slot_idx, op, "gates", "slot_idx");
   TORCH_CHECK(n_slots >= 1, "minagi.routing_backward: n_slots must be >= 1, got ", n_slots);
+  debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
 }
 
 inline void check_group_plan_args(const at::Tensor& slot_idx, int64_t n_slots, int64_t capacity) {
@@ -93,6 +121,7 @@ inline void check_group_plan_args(const at::Tensor& slot_idx, int64_t n_slots, i
   check_index(slot_idx, op, "slot_idx");
   TORCH_CHECK(n_slots >= 1, "minagi.group_plan: n_slots must be >= 1, got ", n_slots);
   TORCH_CHECK(capacity >= 0, "minagi.group_plan: capacity must be >= 0 (0 = uncapped), got ", capacity);
+  debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
 }
 
 // The optional gates of gather and scatter: [N, k] like dest, the rows' dtype and device.
@@ -114,6 +143,7 @@ inline void check_gather_args(const at::Tensor& x, const at::Tensor& row_pair, c
   check_same_device(x, dest, op, "x", "dest");
   check_size(dest, 0, x.size(0), op, "dest", "x.shape[0]");
   check_gates(gates, x, dest, op);
+  debug_check_range(row_pair, -1, dest.numel(), op, "row_pair");
 }
 
 inline void check_scatter_args(const at::Tensor& rows, const at::Tensor& dest, const at::Tensor& row_pair,
@@ -125,6 +155,7 @@ inline void check_scatter_args(const at::Tensor& rows, const at::Tensor& dest, c
   check_same_device(rows, dest, op, "rows", "dest");
   check_size(row_pair, 0, rows.size(0), op, "row_pair", "rows.shape[0]");
   check_gates(gates, rows, dest, op);
+  debug_check_range(dest, -1, rows.size(0), op, "dest");
 }
 
 inline void check_gate_grad_args(const at::Tensor& a, const at::Tensor& rows, const at::Tensor& dest,
@@ -140,6 +171,7 @@ inline void check_gate_grad_args(const at::Tensor& a, const at::Tensor& rows, co
   check_size(dest, 0, a.size(0), op, "dest", "a.shape[0]");
   check_size(rows, 1, a.size(1), op, "rows", "a.shape[1]");
   check_size(row_pair, 0, rows.size(0), op, "row_pair", "rows.shape[0]");
+  debug_check_range(dest, -1, rows.size(0), op, "dest");
 }
 
 // The operands of grouped_mm (a [E, K], b [S, K, M]) and grouped_mm_wgrad (a [E, K], grad [E, M]).
@@ -173,6 +205,32 @@ inline void check_range_cpu(const at::Tensor& idx, int64_t lo, int64_t hi, const
     TORCH_CHECK(p[i] >= lo && p[i] < hi, "minagi.", op, ": ", name, " holds ", p[i],
                 " at flat position ", i, ", outside [", lo, ", ", hi, ")");
   }
+}
+
+// slot_ids of a grouped GEMM weight gradient, on the host: in [0, n_slots), each listed once (a
+// listed slot's gradient is written whole, once; the CPU kernel and the GPU one say the same).
+inline void check_unique_slots_cpu(const at::Tensor& slot_ids, int64_t n_slots, const char* op) {
+  const at::Tensor ids = slot_ids.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<char> seen(n_slots, 0);
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n_slots, "minagi.", op, ": slot_ids holds ", ip[i], " at position ", i,
+                ", outside [0, n_slots=", n_slots, ")");
+    TORCH_CHECK(!seen[ip[i]], "minagi.", op, ": slot_ids lists slot ", ip[i], " twice; each slot may own one row range");
+    seen[ip[i]] = 1;
+  }
+}
+
+// The most card slots the GPU kernels take, one limit for all of them: group_plan keeps two
+// int64 arrays of S in one block's shared memory, and routing keeps S scores and its reduction
+// tree there (~22 KiB of the 48 KiB at 2,048 float64 slots). So a card that routes also plans.
+// The CPU kernels have no such limit.
+constexpr int64_t kMaxGpuSlots = 2048;
+
+inline void check_gpu_slots(int64_t n_slots, const char* op) {
+  TORCH_CHECK(n_slots <= kMaxGpuSlots, "minagi.", op, ": the GPU kernels take at most ", kMaxGpuSlots,
+              " card slots (model.n_slots), got ", n_slots, "; use a smaller card (the pool can stay larger: "
+              "admission picks the card), or run on the CPU");
 }
 
 // _bucket(n): powers of two up to 128, then multiples of 128. A few dozen buffer sizes over a

@@ -150,12 +150,43 @@ def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap):
     return y_ND, load_S, S * L, 1
 
 
+def bucketed_rows(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like `like`, in an allocation of _bucket(rows) rows (as the
+    GPU kernels' outputs are): not a view, so nothing in autograd treats it as one."""
+    with torch.no_grad():
+        storage = like.new_empty((_bucket(like.shape[0]), *like.shape[1:])).untyped_storage()
+        return like.new_empty(0).set_(storage, 0, like.shape, torch.empty(like.shape, device="meta").stride())
+
+
+class BucketedGelu(torch.autograd.Function):
+    """GELU whose output and input gradient live in _bucket(rows) allocations. Between the two
+    grouped GEMMs on a GPU, exact-size activations would show the caching allocator one block
+    size per routing, and its reserved memory would keep growing (the seed's lesson); the
+    kernels' own outputs are bucketed already."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return torch.ops.aten.gelu.out(h, out=bucketed_rows(h))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a double backward: the differentiable op
+            return torch.ops.aten.gelu_backward(grad, h)
+        return torch.ops.aten.gelu_backward.grad_input(grad.contiguous(), h, grad_input=bucketed_rows(h))
+
+
+def _gelu(h_EH: torch.Tensor) -> torch.Tensor:
+    return BucketedGelu.apply(h_EH) if h_EH.is_cuda else F.gelu(h_EH)
+
+
 def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed):
     """The plan's groups, one pair of grouped matmuls, exact GELU between, gated combine."""
     S = w_in_SDH.shape[0]
     load_S, order_A, rows_A, row_pair_E, dest_NK = ops.group_plan(slot_idx_NK, S, cap, bucketed)
     buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
-    h_EH = F.gelu(ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A))
+    h_EH = _gelu(ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A))
     out_ED = ops.grouped_mm(h_EH, w_out_SHD, order_A, rows_A)
     y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
     return y_ND, load_S, row_pair_E.shape[0], rows_A
@@ -190,7 +221,7 @@ def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD):
     rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
     pair_R = torch.arange(N * K, device=dev)
     x_RD = ops.bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
-    h_RH = F.gelu(ops.grouped_mm(x_RD, w_in_SDH, ids_R, rows_R))
+    h_RH = _gelu(ops.grouped_mm(x_RD, w_in_SDH, ids_R, rows_R))
     out_RD = ops.grouped_mm(h_RH, w_out_SHD, ids_R, rows_R)
     return ops.weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK), rows_R
 

@@ -15,6 +15,21 @@ from . import _backend, reference
 
 _REGISTERED = False
 
+# The most card slots the GPU kernels take (csrc/common.h kMaxGpuSlots, which the kernels check:
+# the routing and plan kernels keep per-slot arrays in one block's shared memory). The CPU
+# kernels and the pure-torch twins have no limit.
+GPU_MAX_SLOTS = 2048
+
+
+def check_card_fits(n_slots: int, device: torch.device, path: str) -> None:
+    """Before a run: a card the GPU kernels cannot take is an error now, not after the first step."""
+    if device.type == "cuda" and path == "compiled" and n_slots > GPU_MAX_SLOTS:
+        from .config import ConfigError
+
+        raise ConfigError(f"model.n_slots = {n_slots}: the GPU kernels take at most {GPU_MAX_SLOTS} card slots; "
+                         f"use a smaller card (model.n_slots; the pool can stay larger, admission picks the card), "
+                         f"model.dispatch = grouped, or train on the CPU")
+
 
 def _fake_registrations(lib: str = "minagi") -> None:
     @torch.library.register_fake(f"{lib}::routing")

@@ -22,6 +22,7 @@ from .dispatch import resolve_path
 from .guard import ADVICE, Diverged, DivergenceGuard, GracefulStop, Interrupted, nonfinite, state_tensors
 from .memory import memory_stats
 from .model import ByteModel
+from .ops import check_card_fits
 from .optim import PoolAdamW
 
 HISTORY = "history.jsonl"
@@ -304,10 +305,12 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
     torch.set_num_threads(distributed.threads(cfg.train.threads, dist))
     corpus = load_corpus(cfg.data.path, cfg.data.heldout_every, cfg.data.max_in_memory)
     check_fits(corpus, cfg.data.context)
+    path = resolve_path(cfg.model.dispatch, device)
+    check_card_fits(cfg.model.n_slots, device, path)
     model, opt, sched = build(cfg, device)
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed, rank=dist.rank,
                       world=dist.world, accum=cfg.train.grad_accum)
-    run = Run(cfg, out_dir, device, model, opt, sched, batches, resolve_path(cfg.model.dispatch, device), dist)
+    run = Run(cfg, out_dir, device, model, opt, sched, batches, path, dist)
     history = out_dir / HISTORY
     window = Window()
     if ckpt is not None:
@@ -436,21 +439,22 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
     diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT.
     Under torchrun (minagi/distributed.py) every rank runs this; the ranks stop together."""
     out_dir = Path(out_dir)
-    run, window, (eval_x, eval_y), corpus, ignored = _start(cfg, out_dir, resume)
+    run, window, heldout, corpus, ignored = _start(cfg, out_dir, resume)
     try:
-        return _loop(run, window, eval_x, eval_y, corpus, ignored, resume, progress, callbacks)
+        bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
+        if ignored:
+            bar.write("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
+        bar.write(_describe(run, corpus, resume))
+        if _world_note(run):
+            bar.write(_world_note(run))
+        return _loop(run, window, heldout, bar, callbacks)
     finally:
         distributed.stop(run.dist)
 
 
-def _loop(run: Run, window, eval_x, eval_y, corpus, ignored, resume, progress, callbacks) -> dict:
+def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks) -> dict:
     cfg, device, t, out_dir = run.cfg, run.device, run.cfg.train, run.out_dir
-    bar = Progress(t.steps, run.step, progress and run.dist.main)
-    if ignored:
-        bar.write("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
-    bar.write(_describe(run, corpus, resume))
-    if _world_note(run):
-        bar.write(_world_note(run))
+    eval_x, eval_y = heldout
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, out_dir), time.perf_counter(), None
     trim = allocator.HeapTrim(t.malloc_trim_every if device.type == "cpu" else 0)
     run.model.train()

@@ -51,15 +51,19 @@ def compare(got: dict, want: dict) -> float:
     return worst
 
 
-def case_empty(d, cfg):
+def setup(d, cfg, seeds):
+    """The DDP model, a one-process copy of it (the oracle), both ranks' batches and this rank's."""
     torch.manual_seed(0)
     model = ByteModel(cfg, T)
     oracle = copy.deepcopy(model)
-    (x0, y0), (x1, y1) = batch(1), batch(2)
-    engine = distributed.wrap(model, d, torch.device("cpu"))
+    batches = [batch(s) for s in seeds]
+    return distributed.wrap(model, d, torch.device("cpu")), model, oracle, batches, batches[d.rank]
+
+
+def case_empty(d, cfg):
+    engine, model, oracle, ((x0, y0), (x1, y1)), (x, y) = setup(d, cfg, (1, 2))
     if d.rank == 1:
         send_to_first_slots(model)
-    x, y = (x0, y0) if d.rank == 0 else (x1, y1)
     out = engine(x, y)
     out.loss.backward()
     loads = [st.slot_load for st in out.dispatch]
@@ -71,12 +75,7 @@ def case_empty(d, cfg):
 
 
 def case_card(d, cfg):
-    torch.manual_seed(0)
-    model = ByteModel(cfg, T)
-    oracle = copy.deepcopy(model)
-    (x0, y0), (x1, y1) = batch(3), batch(4)
-    engine = distributed.wrap(model, d, torch.device("cpu"))
-    x, y = (x0, y0) if d.rank == 0 else (x1, y1)
+    engine, model, oracle, ((x0, y0), (x1, y1)), (x, y) = setup(d, cfg, (3, 4))
     card = model.choose_card([x])
     engine(x, y, card).loss.backward()
     oracle(torch.cat([x0, x1]), torch.cat([y0, y1])).loss.backward()

@@ -77,6 +77,14 @@ def test_two_ranks_equal_one_process_with_the_global_batch_and_with_grad_accum(t
         assert [r["step"] for r in _history(accum)] == [4, 8]
 
 
+def test_fixed_rows_leave_the_unused_halting_unit_out_of_ddp(tmp_path):
+    # Without adaptive rows nothing uses the halting unit: DDP (no find_unused_parameters) would
+    # stop at the second step waiting for its gradient.
+    ok(torchrun("--quiet", *ARGS, "--set", "train.batch=2", "--set", "model.adaptive_rows=false", "--steps", "4",
+                "--out", str(tmp_path)))
+    assert [r["step"] for r in _history(tmp_path)] == [4]
+
+
 @pytest.mark.parametrize("case", ["empty", "card", "drift"])
 def test_ddp_gradients_against_one_process(tmp_path, case):
     """tests/dist_worker.py: an expert with no character on one rank; a card smaller than the pool
@@ -154,3 +162,14 @@ def test_torchrun_without_torch_distributed_says_what_is_missing(monkeypatch):
         distributed.start("cpu", 10)
     monkeypatch.delenv("WORLD_SIZE")
     assert distributed.start("cpu", 10) is distributed.SINGLE  # plain python train.py: no process group
+
+
+def test_the_ddp_benchmark_writes_its_figures(tmp_path):
+    from conftest import run_bench
+
+    r = run_bench("ddp", "--steps", "3", "--rounds", "1", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_ddp.json").read_text())
+    assert res["char_per_s_one"] > 0 and res["char_per_s_ranks"] > 0 and res["global_batch"] == 8  # 4 x 2 ranks
+    # every parameter's float32 gradient (the load balance term keeps no buffer in the state)
+    assert res["allreduce_bytes_per_step"] == 4 * sum(t.numel() for t in weights(tmp_path / "one-0").values())

@@ -378,3 +378,61 @@ def test_bad_inputs_name_the_argument(compiled):
         compiled.grouped_mm(torch.randn(2, 4), torch.randn(4, 4, 5, dtype=torch.float64), order, rows)
     with pytest.raises(RuntimeError, match="lists slot 0 twice"):
         compiled.grouped_mm_wgrad(torch.randn(2, 4), torch.randn(2, 5), torch.tensor([0, 0]), rows, 4)
+
+
+@requires_ext
+def test_wgrad_slot_ids_unique_and_in_range_as_the_gpu_kernel_checks_them():
+    compiled = ops.compiled()
+    rows = torch.tensor([1, 1])
+    with pytest.raises(RuntimeError, match="slot_ids lists slot 2 twice; each slot may own one row range"):
+        compiled.grouped_mm_wgrad(torch.randn(2, 4), torch.randn(2, 5), torch.tensor([2, 2]), rows, 4)
+    with pytest.raises(RuntimeError, match="slot_ids holds 4 at position 1, outside \\[0, n_slots=4\\)"):
+        compiled.grouped_mm_wgrad(torch.randn(2, 4), torch.randn(2, 5), torch.tensor([0, 4]), rows, 4)
+
+
+def test_one_gpu_slot_limit_in_the_kernels_and_before_a_run():
+    from pathlib import Path
+
+    from minagi.config import ConfigError
+
+    header = (Path(__file__).resolve().parent.parent / "csrc" / "common.h").read_text()
+    assert f"constexpr int64_t kMaxGpuSlots = {ops.GPU_MAX_SLOTS};" in header
+    with pytest.raises(ConfigError, match="model.n_slots = 2049: the GPU kernels take at most 2048 card slots"):
+        ops.check_card_fits(2049, torch.device("cuda"), "compiled")
+    ops.check_card_fits(2048, torch.device("cuda"), "compiled")
+    ops.check_card_fits(5000, torch.device("cpu"), "compiled")  # the CPU kernels have no limit
+    ops.check_card_fits(5000, torch.device("cuda"), "grouped")
+
+
+@requires_ext
+def test_debug_checks_range_check_indices_on_the_host_first():
+    import subprocess
+    import sys
+
+    code = ("import torch, minagi; from minagi import ops; c = ops.compiled()\n"
+            "dest = torch.tensor([[0, 1], [2, 7]]); row_pair = torch.tensor([0, 1, 2, -1])\n"
+            "c.weighted_scatter(torch.randn(4, 3), dest, row_pair, None)\n")
+    for switch, says in (("1", "dest holds 7 at flat position 3, outside [-1, 4) (found by MINAGI_DEBUG_CHECKS=1"),
+                         ("0", "dest holds 7 at flat position 3, outside [-1, 4)")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**__import__("os").environ, "MINAGI_DEBUG_CHECKS": switch})
+        assert r.returncode != 0 and says in r.stderr, r.stderr[-1500:]
+        assert ("MINAGI_DEBUG_CHECKS" in r.stderr) == (switch == "1")
+
+
+def test_bucketed_gelu_equals_gelu_in_a_bucketed_allocation_that_is_no_view():
+    from minagi.dispatch import BucketedGelu
+
+    h = torch.randn(300, 7, dtype=torch.float64, requires_grad=True)
+    y = BucketedGelu.apply(h)
+    assert y._base is None and y.untyped_storage().nbytes() == 384 * 7 * 8  # _bucket(300) = 384 rows
+    torch.testing.assert_close(y, torch.nn.functional.gelu(h))
+    g = torch.randn(300, 7, dtype=torch.float64)
+    (gh,) = torch.autograd.grad(y, h, g, create_graph=True)
+    (want,) = torch.autograd.grad(torch.nn.functional.gelu(h), h, g, create_graph=True)
+    torch.testing.assert_close(gh, want)
+    assert torch.autograd.gradcheck(BucketedGelu.apply, (torch.randn(5, 3, dtype=torch.float64, requires_grad=True),))
+    assert torch.autograd.gradgradcheck(BucketedGelu.apply, (torch.randn(5, 3, dtype=torch.float64, requires_grad=True),))
+    with torch.no_grad():
+        out = BucketedGelu.backward(type("Ctx", (), {"saved_tensors": (h.detach(),)})(), g)
+    assert out._base is None and out.untyped_storage().nbytes() == 384 * 7 * 8

@@ -21,6 +21,10 @@ MINAGI_REQUIRE_EXT=1 timeout 900 "$py" -m pytest -q -x -k "cuda or test_gpu" tes
 echo "== dispatch benchmark (GPU, bfloat16)"
 timeout 600 "$py" -m minagi.bench dispatch --device cuda --reps 10 --json "$out/bench_dispatch.json" \
   2>&1 | tee "$out/bench_dispatch.txt"
+echo "== writing on the GPU (the decode kernel: top_k experts' weights read in place)"
+"$py" train.py --profile strix-large --steps 1 --set train.batch=1 --set data.context=64 --set train.device=cuda \
+  --quiet --out "$out/large" > "$out/large.txt" 2>&1 && \
+  timeout 300 "$py" -m minagi.bench write "$out/large" --device cuda 2>&1 | tee "$out/bench_write.txt"
 echo "== soak (GPU, 2 minutes of the default profile: reserved memory and throughput over time)"
 timeout 300 "$py" -m minagi.bench soak --device cuda --minutes 2 --every 10 --out "$out/soak" \
   2>&1 | tee "$out/soak.txt" | tail -3

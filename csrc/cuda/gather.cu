@@ -120,7 +120,7 @@ at::Tensor gate_grad_cuda(const at::Tensor& a_in, const at::Tensor& rows_in, con
   const int64_t N = a.size(0), D = a.size(1), k = dest.size(1), E = rows.size(0);
   at::Tensor out = at::empty({N, k}, a.options());
   if (N * k == 0) return out;
-  const int threads = gpu::pow2_threads(D, 32, 256);
+  const int threads = gpu::pow2_threads(D, gpu::kMinThreads, 256);
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_gate_grad_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     gate_grad_kernel<scalar_t><<<gpu::blocks_for(N * k, 1), threads, threads * sizeof(acc_t),

@@ -3,6 +3,10 @@
 // capacity. The listed slots' weights are gathered once per call into one buffer that every
 // group takes a view of. The group sizes are read from slot_rows on the host: group_plan
 // returns it there, so this adds no synchronisation.
+//
+// Decoding (a handful of rows per slot: one character puts one row in each of its top_k slots)
+// takes a kernel of its own that reads each listed slot's weights in place, once, like the
+// CPU's small_rows_mm: the gather + bmm would read every weight, write a copy and read it again.
 #include <torch/library.h>
 
 #include <vector>
@@ -11,6 +15,8 @@
 
 namespace minagi {
 namespace {
+
+constexpr int64_t kSmallRows = 4;  // rows per slot up to which the in-place kernel runs (as on the CPU)
 
 struct Group {
   int64_t slot0, slots, rows, row0;  // first listed slot, how many, rows each, first buffer row
@@ -43,6 +49,64 @@ std::vector<Group> host_groups(const at::Tensor& slot_ids, const at::Tensor& slo
   return groups;
 }
 
+// out[row0[i] + r] = a[row0[i] + r] @ b[slot_ids[i]] for r < nrows[i] <= kSmallRows: block (x, i)
+// computes kThreads output columns of listed slot i, each thread reading its column of the
+// slot's weights once, in place (coalesced across the block), accumulating in opmath (fp32 for
+// bf16 / fp16).
+template <typename scalar_t>
+__global__ void small_rows_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, int64_t b_s0,
+                                  int64_t b_s1, int64_t b_s2, const int64_t* __restrict__ slot_ids,
+                                  const int64_t* __restrict__ row0, const int64_t* __restrict__ nrows, int64_t K,
+                                  int64_t M, scalar_t* __restrict__ out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t i = blockIdx.y;
+  const int64_t m = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nr = nrows[i];
+  if (m >= M || nr == 0) return;
+  const scalar_t* w = b + slot_ids[i] * b_s0 + m * b_s2;
+  const scalar_t* x = a + row0[i] * K;
+  acc_t y[kSmallRows] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const acc_t wk = static_cast<acc_t>(w[k * b_s1]);
+#pragma unroll
+    for (int r = 0; r < kSmallRows; ++r) {
+      if (r < nr) y[r] += static_cast<acc_t>(x[r * K + k]) * wk;
+    }
+  }
+  for (int r = 0; r < nr; ++r) out[(row0[i] + r) * M + m] = static_cast<scalar_t>(y[r]);
+}
+
+// The decode case: every listed slot owns at most kSmallRows rows (and the slots fit one grid).
+bool small_rows_case(const std::vector<Group>& groups, int64_t A) {
+  if (A > gpu::kMaxBlocks) return false;
+  for (const Group& g : groups) {
+    if (g.rows > kSmallRows) return false;
+  }
+  return true;
+}
+
+void small_rows_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_ids,
+                        const std::vector<Group>& groups, int64_t A, at::Tensor& out) {
+  std::vector<int64_t> row0(A), nrows(A);
+  for (const Group& g : groups) {
+    for (int64_t j = 0; j < g.slots; ++j) {
+      row0[g.slot0 + j] = g.row0 + j * g.rows;
+      nrows[g.slot0 + j] = g.rows;
+    }
+  }
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor r0 = at::tensor(row0, lopt).to(a.device()), nr = at::tensor(nrows, lopt).to(a.device());
+  const at::Tensor ids = slot_ids.to(a.device()).contiguous();
+  const int64_t K = a.size(1), M = b.size(2);
+  const dim3 grid(static_cast<unsigned>((M + gpu::kThreads - 1) / gpu::kThreads), static_cast<unsigned>(A));
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm_cuda", [&] {
+    small_rows_kernel<scalar_t><<<grid, gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), b.stride(0), b.stride(1), b.stride(2),
+        ids.data_ptr<int64_t>(), r0.data_ptr<int64_t>(), nr.data_ptr<int64_t>(), K, M, out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 at::Tensor grouped_mm_cuda(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
                            const at::Tensor& slot_rows) {
   const char* op = "grouped_mm";
@@ -50,10 +114,19 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a_in, const at::Tensor& b, const at
   gpu::check_cuda(a_in, op, "a");
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous();
+  const auto groups = host_groups(slot_ids, slot_rows, a.size(0), op);  // checks slot_ids' shape first
   const int64_t E = a.size(0), K = a.size(1), M = b.size(2), A = slot_ids.size(0);
-  const auto groups = host_groups(slot_ids, slot_rows, E, op);
+  if (slot_ids.device().is_cpu()) {
+    check_range_cpu(slot_ids.contiguous(), 0, b.size(0), op, "slot_ids");
+  } else {
+    debug_check_range(slot_ids, 0, b.size(0), op, "slot_ids");
+  }
   at::Tensor out = gpu::bucketed_empty(E, {M}, a.options());
   if (E == 0) return out;
+  if (small_rows_case(groups, A)) {
+    small_rows_mm_cuda(a, b, slot_ids, groups, A, out);
+    return out;
+  }
   // Every listed slot's weights once, in plan order (out-of-range ids trip index_select's check).
   at::Tensor w = gpu::bucketed_empty(A, {K, M}, b.options());
   at::index_select_out(w, b, 0, slot_ids.to(a.device()));
@@ -73,8 +146,12 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a_in, const at::Tensor& grad_
   gpu::check_cuda(a_in, op, "a");
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), grad = grad_in.contiguous();
+  const auto groups = host_groups(slot_ids, slot_rows, a.size(0), op);  // checks slot_ids' shape first
   const int64_t E = a.size(0), K = a.size(1), M = grad.size(1), A = slot_ids.size(0);
-  const auto groups = host_groups(slot_ids, slot_rows, E, op);
+  // Unique and in range, as the CPU kernel requires: index_copy_ below would keep one of two
+  // writes to a slot listed twice. Checked on the host where the ids are (a plan's are on the
+  // device: there MINAGI_DEBUG_CHECKS=1 copies them over).
+  if (slot_ids.device().is_cpu() || debug_checks()) check_unique_slots_cpu(slot_ids.to(at::kCPU), n_slots, op);
   at::Tensor out = at::zeros({n_slots, K, M}, a.options());
   if (A == 0) return out;
   // Each listed slot's gradient in plan order, then one copy to its slot (ids are unique in a

@@ -16,7 +16,6 @@ namespace minagi {
 namespace {
 
 constexpr int kChunk = 256;  // pairs per chunk = threads per block of chunk_hist and fill
-constexpr int kMaxSlots = 2048;  // the plan kernel keeps two int64 arrays of S in shared memory
 
 __global__ void chunk_hist_kernel(const int64_t* __restrict__ idx, int64_t R, int S, int64_t n_chunks,
                                   int* __restrict__ chunk_count) {
@@ -121,8 +120,7 @@ __global__ void fill_kernel(const int64_t* __restrict__ idx, int64_t R, int64_t 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_plan_cuda(
     const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed) {
   check_group_plan_args(slot_idx_in, n_slots, capacity);
-  TORCH_CHECK(n_slots <= kMaxSlots, "minagi.group_plan: the GPU plan takes at most ", kMaxSlots,
-              " card slots, got n_slots=", n_slots, "; use a smaller card");
+  check_gpu_slots(n_slots, "group_plan");
   const c10::cuda::CUDAGuard guard(slot_idx_in.device());
   const at::Tensor idx = slot_idx_in.contiguous();
   const int64_t N = idx.size(0), k = idx.size(1), R = N * k;
@@ -146,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   at::Tensor order_buf = at::empty({S}, lopt);
   at::Tensor start = at::empty({S}, lopt);
   at::Tensor meta = at::empty({2 + S}, lopt);
-  plan_kernel<<<1, gpu::pow2_threads(S, 32, 1024), 2 * S * sizeof(int64_t), stream>>>(
+  plan_kernel<<<1, gpu::pow2_threads(S, gpu::kMinThreads, 1024), 2 * S * sizeof(int64_t), stream>>>(
       total.data_ptr<int64_t>(), S, capacity, bucketed, load.data_ptr<int64_t>(), order_buf.data_ptr<int64_t>(),
       start.data_ptr<int64_t>(), meta.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -155,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   const at::Tensor meta_host = meta.to(at::kCPU);
   const int64_t A = meta_host.data_ptr<int64_t>()[0], E = meta_host.data_ptr<int64_t>()[1];
   at::Tensor slot_rows = meta_host.narrow(0, 2, A).clone();
-  at::Tensor slot_order = order_buf.narrow(0, 0, A);
+  at::Tensor slot_order = gpu::plain_rows(order_buf, A);
   at::Tensor row_pair = gpu::bucketed_empty(E, {}, lopt).fill_(-1);
   at::Tensor dest = at::empty({N, k}, lopt);
   if (R > 0) {

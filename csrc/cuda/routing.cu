@@ -107,6 +107,7 @@ __global__ void routing_backward_kernel(const scalar_t* __restrict__ grad, const
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_cuda(const at::Tensor& logits_in, int64_t top_k) {
   check_routing_args(logits_in, top_k);
+  check_gpu_slots(logits_in.size(1), "routing");
   const int64_t N = logits_in.size(0), S = logits_in.size(1);
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = logits_in.contiguous();
@@ -114,12 +115,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routing_cuda(const at::Tensor& lo
   at::Tensor gates = at::empty({N, top_k}, logits.options());
   at::Tensor load = at::zeros({S}, logits.options().dtype(at::kLong));
   if (N == 0) return {idx, gates, load};
-  const int threads = gpu::pow2_threads(S, 32, 256);
+  const int threads = gpu::pow2_threads(S, gpu::kMinThreads, 256);
   MINAGI_DISPATCH_FLOATING(logits.scalar_type(), "minagi_routing_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const size_t smem = (S + threads + top_k) * sizeof(acc_t) + (threads + top_k) * sizeof(int) + S;
-    TORCH_CHECK(smem <= 48 * 1024, "minagi.routing: ", S, " slots do not fit one GPU block's shared "
-                "memory (", smem, " bytes > 48 KiB); use at most ~4,000 card slots with ", logits.scalar_type());
+    TORCH_INTERNAL_ASSERT(smem <= 48 * 1024, "minagi.routing: ", smem, " bytes of shared memory at ", S,
+                          " slots: kMaxGpuSlots is too high for this kernel");
     routing_kernel<scalar_t><<<gpu::blocks_for(N, 1), threads, smem, at::cuda::getCurrentCUDAStream()>>>(
         logits.data_ptr<scalar_t>(), N, static_cast<int>(S), static_cast<int>(top_k), idx.data_ptr<int64_t>(),
         gates.data_ptr<scalar_t>(), reinterpret_cast<unsigned long long*>(load.data_ptr<int64_t>()));

@@ -96,8 +96,9 @@ def main_write(argv=None) -> int:
     p.add_argument("run", metavar="DIR")
     p.add_argument("--chars", type=int, default=200)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (decoding on the GPU: the in-place decode kernel)")
     a = p.parse_args(argv)
-    model, cfg = load_model(a.run)
+    model, cfg = load_model(a.run, a.device)
 
     def fn():  # the written characters only: a stream's first character admits its card
         return write(model, b"\n", a.chars, seed=0).seconds

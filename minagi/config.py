@@ -69,6 +69,10 @@ class TrainConfig:
     # Under torchrun: seconds a collective waits for the other ranks before it fails (a rank that
     # died or hangs stops the run with torch's timeout error instead of a silent hang).
     dist_timeout: float = 300.0
+    # Under torchrun: the pool's experts sharded over groups of this many ranks (expert
+    # parallelism; each rank holds n_pool / expert_parallel experts, and the characters travel to
+    # them by all_to_all); data parallelism across the groups. 1 = off.
+    expert_parallel: int = 1
     # Consecutive steps with a non-finite loss or gradient norm (each skipped) before the run
     # stops with exit status 3; 0 turns the guard off.
     max_bad_steps: int = 10
@@ -231,6 +235,12 @@ def validate(cfg: Config) -> None:
         (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),
         (t.grad_accum >= 1, "train.grad_accum must be >= 1 (micro-batches per optimizer step)"),
         (t.dist_timeout > 0, "train.dist_timeout must be > 0 (seconds)"),
+        (t.expert_parallel >= 1, "train.expert_parallel must be >= 1 (1 = off)"),
+        (t.expert_parallel == 1 or m.n_slots == m.n_pool, f"train.expert_parallel = {t.expert_parallel} needs the whole pool "
+         f"on the card: model.n_slots ({m.n_slots}) must equal model.n_pool ({m.n_pool})"),
+        (m.n_pool % t.expert_parallel == 0, f"train.expert_parallel = {t.expert_parallel} must divide model.n_pool ({m.n_pool})"),
+        (t.expert_parallel == 1 or m.capacity_factor == 0, "train.expert_parallel needs model.capacity_factor = 0 (uncapped)"),
+        (t.expert_parallel == 1 or not m.pool_device, "train.expert_parallel needs model.pool_device empty"),
         (t.malloc_trim_every >= 0, "train.malloc_trim_every must be >= 0 (0 = never)"),
         (t.max_bad_steps >= 0, "train.max_bad_steps must be >= 0 (0 turns the divergence guard off)"),
         (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), f"train.device must be auto, cpu or cuda, got {t.device!r}"),

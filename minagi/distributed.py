@@ -100,13 +100,14 @@ class Sum:
         return t
 
 
-def wrap(model: torch.nn.Module, d: Dist, device: torch.device):
+def wrap(model: torch.nn.Module, d: Dist, device: torch.device, ignore=()):
     """The module that runs training's forward: the model itself in one process; under torchrun,
     the model in DDP (gradients averaged in backward), with the model's own sums across ranks
     switched on. Every parameter gets a gradient each step (the expert weights' backward is
     dense), so DDP runs without find_unused_parameters; the halting unit is left out of DDP when
     adaptive rows are off, as nothing uses it. Buffers are not broadcast: the only one that
-    changes (the routing biases) moves by the same all-reduced loads on every rank."""
+    changes (the routing biases) moves by the same all-reduced loads on every rank. ignore: the
+    names of parameters DDP leaves alone (expert parallelism's shards, reduced by their own group)."""
     if not d.active:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -115,8 +116,9 @@ def wrap(model: torch.nn.Module, d: Dist, device: torch.device):
     if len(devices) > 1:
         raise DistributedError(f"the model's parameters are on {sorted(map(str, devices))}; under torchrun they "
                                "must share one device: leave model.pool_device empty")
-    if not model.cfg.adaptive_rows:
-        DDP._set_params_and_buffers_to_ignore_for_model(model, ["halt.weight", "halt.bias"])
+    ignore = list(ignore) + ([] if model.cfg.adaptive_rows else ["halt.weight", "halt.bias"])
+    if ignore:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
     model.sync = Sum(d.world)
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
                **_no_buffer_sync(DDP))
@@ -161,11 +163,11 @@ def gather_objects(d: Dist, obj):
     return out
 
 
-def checksum(model: torch.nn.Module) -> torch.Tensor:
+def checksum(model: torch.nn.Module, skip=()) -> torch.Tensor:
     """Per parameter and buffer, the sum of its bits read as integers: any flipped bit changes it."""
     sums = []
-    for t in model.state_dict().values():
-        if not isinstance(t, torch.Tensor) or not t.numel():
+    for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor) or not t.numel() or name in skip:
             continue
         t = t.detach().contiguous().reshape(-1)
         if t.is_floating_point():
@@ -174,13 +176,14 @@ def checksum(model: torch.nn.Module) -> torch.Tensor:
     return torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.long)
 
 
-def check_replicas(model: torch.nn.Module, d: Dist, step: int) -> None:
+def check_replicas(model: torch.nn.Module, d: Dist, step: int, skip=()) -> None:
     """Raise if the ranks' models differ in any bit: data parallelism's promise, checked at every
-    checkpoint (a mismatch means a rank took a different decision, and the run cannot go on)."""
+    checkpoint (a mismatch means a rank took a different decision, and the run cannot go on).
+    skip: tensors that differ by design (expert parallelism's shards)."""
     if not d.active:
         return
-    sums = gather_objects(d, checksum(model))
-    names = [k for k, t in model.state_dict().items() if isinstance(t, torch.Tensor) and t.numel()]
+    sums = gather_objects(d, checksum(model, skip))
+    names = [k for k, t in model.state_dict().items() if isinstance(t, torch.Tensor) and t.numel() and k not in skip]
     for r, s in enumerate(sums[1:], start=1):
         if not torch.equal(s, sums[0]):
             which = [n for n, a, b in zip(names, sums[0].tolist(), s.tolist()) if a != b]

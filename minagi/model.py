@@ -81,6 +81,15 @@ class ExpertPool(nn.Module):
             # Bias balancing: per pool expert, added to its router logit for the choice only.
             self.register_buffer("route_bias", torch.zeros(cfg.n_pool))
 
+    def shard(self, rank: int, ranks: int) -> None:
+        """Expert parallelism: keep experts [rank * P / ranks, (rank + 1) * P / ranks) of the
+        expert weights (the router stays whole: routing is over every expert)."""
+        n = self.n_pool // ranks
+        mine = slice(rank * n, (rank + 1) * n)
+        self.w_in = nn.Parameter(self.w_in.data[mine].clone())
+        self.w_out = nn.Parameter(self.w_out.data[mine].clone())
+        self.sharded = True
+
     def affinity(self, x_ND: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Each character's admission affinity [N, P]: a softmax over the pool."""
         return torch.softmax(F.rms_norm(x_ND, (x_ND.shape[-1],)) @ self.router.to(device, x_ND.dtype).t(), dim=-1)
@@ -101,7 +110,8 @@ class ExpertPool(nn.Module):
                 admitted_S = self.top(aff_NP.detach().float().mean(0))
             rows = admitted_S.to(self.w_in.device)
             card = Card(*(t.index_select(0, rows).to(device) for t in (self.router, self.w_in, self.w_out)))
-        self.last_admitted = admitted_S
+        # The optimizer's mask; None (every row) for a shard, which is all on the card.
+        self.last_admitted = None if getattr(self, "sharded", False) else admitted_S
         return Card(*(t.to(device) for t in card)), admitted_S, aff_NP
 
     def card_bias(self, admitted_S: torch.Tensor, device: torch.device):
@@ -201,6 +211,18 @@ class ByteModel(nn.Module):
         y_ND = x_ND.new_zeros(B * T + (n_pad > n), D).index_copy(0, sel, y_sel.to(x_ND.dtype))
         return y_ND[:B * T].view(B, T, D)
 
+    def _rows_left(self, active_BT: torch.Tensor) -> bool:
+        """Whether another row runs: while any character is active; under expert parallelism,
+        any character of any rank of the group (every rank takes part in every row's all_to_all,
+        with no rows of its own if need be)."""
+        left = bool(active_BT.any())
+        group = self.mlp.ep_group
+        if group is None:
+            return left
+        flag = torch.tensor([float(left)], device=active_BT.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(flag)
+
     def padded_count(self, n: int, total: int) -> int:
         """Rows the pooled MLP runs for n active characters of `total`. With model.bucket_rows,
         _bucket(n): with adaptive rows the active count changes every row and step, and glibc's
@@ -273,7 +295,7 @@ class ByteModel(nn.Module):
                 continue
             h = torch.where(active.unsqueeze(-1), new, h)  # a halted character keeps its state
             active, cum, out, remainder = self._halt(h, r, active, cum, out, remainder)
-            if not bool(active.any()):
+            if not self._rows_left(active):
                 break
         final = out if adaptive else h
         logits = self.head(self.norm_out(final))

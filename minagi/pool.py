@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from . import ops as _ops
-from .dispatch import expert_mlp
+from .dispatch import dispatch_stats, expert_mlp
+from .expert_parallel import ep_expert_mlp
 
 
 class Card(NamedTuple):
@@ -57,6 +58,9 @@ class PooledMLP(nn.Module):
         self.force_routing = None
         # A list while a load-aware balance term wants them: a RowRoute per call, in order.
         self.route_log = None
+        # Expert parallelism (minagi.expert_parallel): the process group over which the card's
+        # experts are sharded; the card's weights are then this rank's shard, the router all of it.
+        self.ep_group = None
         if own_card:  # else every forward is handed its card (the model's pool admits one)
             self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
                 n_slots, d_model, d_hidden, device=device, dtype=dtype))
@@ -106,9 +110,16 @@ class PooledMLP(nn.Module):
         router_SD, w_in_SDH, w_out_SHD = (t.to(x_ND.dtype) for t in (router_SD, w_in_SDH, w_out_SHD))
         slot_idx_NK, gates_NK = self.route(x_ND, router_SD, n_valid, route_bias)
         path = self.path if type(self).grouped_dispatch else "rectangle"
-        result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
-                            capacity_factor=self.capacity_factor, return_stats=return_stats, n_valid=n_valid)
-        y_ND, stats = result if return_stats else (result, None)
+        if self.ep_group is not None:
+            y_ND = ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, group=self.ep_group,
+                                 n_experts=router_SD.shape[0], path=path)
+            K = slot_idx_NK.shape[1]
+            stats = (dispatch_stats(slot_idx_NK[:n_valid], router_SD.shape[0], 0, n_valid * K, 0)
+                     if return_stats else None)
+        else:
+            result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
+                                capacity_factor=self.capacity_factor, return_stats=return_stats, n_valid=n_valid)
+            y_ND, stats = result if return_stats else (result, None)
         self.last_stats = stats  # None unless asked for: the statistics cost host syncs
         y = y_ND.view(x.shape)
         return (y, stats) if return_stats else y

@@ -19,6 +19,7 @@ from . import _backend, allocator, checkpoint, distributed
 from .config import Config
 from .data import Batches, check_fits, fixed_chunks, load_corpus
 from .dispatch import resolve_path
+from .expert_parallel import ExpertParallel
 from .guard import ADVICE, Diverged, DivergenceGuard, GracefulStop, Interrupted, nonfinite, state_tensors
 from .memory import memory_stats
 from .model import ByteModel
@@ -26,6 +27,9 @@ from .ops import check_card_fits
 from .optim import PoolAdamW
 
 HISTORY = "history.jsonl"
+# Settings of the run's layout over processes, not of the model or its training: on --resume the
+# command's own values hold (a checkpoint of an expert-parallel run resumes in one process).
+LAYOUT = ("threads", "expert_parallel", "dist_timeout")
 SINK_WARNING = 0.5  # first-row sink_share past which the run warns (once)
 LN2 = math.log(2)
 
@@ -48,9 +52,13 @@ def lr_factor(step: int, cfg: Config) -> float:
     return t.min_lr_frac + (1 - t.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build(cfg: Config, device: torch.device):
+def build(cfg: Config, device: torch.device, ep: ExpertParallel | None = None):
+    """Model, optimizer and schedule; with expert parallelism the model keeps its rank's experts
+    (every rank makes the whole pool from the seed first, so the shards are one process's)."""
     torch.manual_seed(cfg.train.seed)
     model = ByteModel(cfg.model, cfg.data.context).to(device)
+    if ep is not None:
+        ep.shard(model)
     if cfg.model.pool_device:
         model.pool.to(torch.device(cfg.model.pool_device))
     opt = PoolAdamW(model.param_groups(cfg.train.weight_decay), model.pool, lr=cfg.train.lr,
@@ -239,6 +247,7 @@ class Run:
     path: str  # the dispatch path
     dist: distributed.Dist = distributed.SINGLE
     engine: torch.nn.Module | None = None  # what runs training's forward: the model, or the model in DDP
+    ep: ExpertParallel | None = None  # expert parallelism (train.expert_parallel > 1)
     step: int = 0
     elapsed0: float = 0.0  # seconds of the run before this process
     last_bpc: float = float("nan")
@@ -250,11 +259,13 @@ class Run:
         return {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
 
-    def state(self, record: dict, window: Window, rngs: list) -> dict:
+    def state(self, record: dict, window: Window, rngs: list, full: tuple | None = None) -> dict:
         """The checkpoint. rngs: every rank's random state, in rank order (the data position is
-        one generator, the same on every rank)."""
+        one generator, the same on every rank); full: the model's and optimizer's state with the
+        expert shards gathered (expert parallelism), else this process's."""
+        model_sd, opt_sd = full or (self.model.state_dict(), self.opt.state_dict())
         return {
-            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "model": model_sd, "optimizer": opt_sd, "scheduler": self.sched.state_dict(),
             "step": self.step, "data": self.batches.state(), "config": self.cfg.to_dict(), "record": record,
             "rng": {**rngs[0], "ranks": rngs},
             "world": self.dist.world,
@@ -264,6 +275,8 @@ class Run:
         }
 
     def restore(self, ckpt: dict) -> Window:
+        if self.ep is not None:  # a checkpoint holds the whole pool: keep this rank's experts
+            ckpt = self.ep.local_state(ckpt, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
@@ -292,8 +305,10 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
     checkpoint.check_writable(out_dir)
     ckpt = checkpoint.load(out_dir, require_finite=True) if resume else None
     ignored = []
-    if ckpt is not None:  # the saved settings win; say which of this command's differ
+    if ckpt is not None:  # the saved settings win (but the layout's); say which of this command's differ
         saved = Config.from_dict(ckpt["config"])
+        for key in LAYOUT:  # how this run spreads over processes is this command's to say
+            setattr(saved.train, key, getattr(cfg.train, key))
         ignored = [f"{sec}.{k}={v} (saved: {getattr(getattr(saved, sec), k)})"
                    for sec, table in cfg.to_dict().items() if isinstance(table, dict)
                    for k, v in table.items() if getattr(getattr(saved, sec), k) != v]
@@ -307,10 +322,11 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
     check_fits(corpus, cfg.data.context)
     path = resolve_path(cfg.model.dispatch, device)
     check_card_fits(cfg.model.n_slots, device, path)
-    model, opt, sched = build(cfg, device)
+    ep = _expert_parallel(cfg, dist)
+    model, opt, sched = build(cfg, device, ep)
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed, rank=dist.rank,
                       world=dist.world, accum=cfg.train.grad_accum)
-    run = Run(cfg, out_dir, device, model, opt, sched, batches, path, dist)
+    run = Run(cfg, out_dir, device, model, opt, sched, batches, path, dist, ep=ep)
     history = out_dir / HISTORY
     window = Window()
     if ckpt is not None:
@@ -319,9 +335,22 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
             _rewrite_history(history, run.step, ckpt.get("record"))
     elif history.exists() and dist.main:
         history.unlink()  # a fresh run owns its folder's history
-    run.engine = distributed.wrap(model, dist, device)  # after the restore: DDP starts from these weights
+    # After the restore: DDP starts from these weights. The expert shards stay out of it.
+    run.engine = distributed.wrap(model, dist, device, ignore=ep.expert_names if ep else ())
     heldout = fixed_chunks(corpus.heldout, cfg.data.context, cfg.train.eval_chunks, cfg.train.seed + 1)
     return run, window, heldout, corpus, ignored
+
+
+def _expert_parallel(cfg: Config, dist) -> ExpertParallel | None:
+    E = cfg.train.expert_parallel
+    if E == 1:
+        return None
+    if not dist.active or dist.world % E:
+        raise distributed.DistributedError(
+            f"train.expert_parallel = {E} needs a multiple of {E} ranks under torchrun (this run has "
+            f"{dist.world if dist.active else 'no torchrun and 1'}); start it with torchrun --nproc-per-node {E}, "
+            "or set train.expert_parallel = 1")
+    return ExpertParallel(dist.world, E)
 
 
 def _train_step(run: Run, guard: DivergenceGuard):
@@ -338,7 +367,11 @@ def _train_step(run: Run, guard: DivergenceGuard):
             out = run.engine(x, y, card)
             (out.loss / len(micro)).backward()
         outs.append(out)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip)
+    if run.ep is not None:  # the expert shards' gradients, summed where DDP does not reach
+        run.ep.reduce_grads(run.model)
+        grad_norm = run.ep.clip_grad_norm_(run.model, run.cfg.train.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip)
     n = len(micro) * run.dist.world
     loss, ce = (v / n for v in distributed.agree(run.dist, run.device, *(
         sum(float(getattr(o, k).detach()) for o in outs) for k in ("loss", "ce"))))
@@ -358,15 +391,18 @@ def _save(run: Run, window: Window, record: dict) -> None:
     """Checkpoint and history record, unless the state is not finite: then the checkpoint on disk
     (the last good one) stays, and the run stops. Every rank comes here (the replicas are checked
     and the random states gathered); rank 0 writes, the others wait for it."""
-    distributed.check_replicas(run.model, run.dist, run.step)
+    distributed.check_replicas(run.model, run.dist, run.step, skip=run.ep.expert_names if run.ep else ())
     bad = nonfinite(state_tensors(run.model, run.opt))
+    if distributed.agree(run.dist, run.device, float(len(bad)))[0] and not bad:  # another rank's shard
+        bad = ["an expert shard on another rank"]
     if bad:
         raise Diverged(f"at step {run.step} the model or optimizer state is not finite ({len(bad)} tensors, "
                        f"e.g. {', '.join(bad[:3])}); it was not saved. The last good checkpoint is "
                        f"{run.last_good()}. {ADVICE}.")
     rngs = distributed.gather_objects(run.dist, run.rng_state())
+    full = run.ep.full_state(run.model, run.opt) if run.ep else None  # every rank of the group takes part
     if run.dist.main:
-        checkpoint.save(run.state(record, window, rngs), run.out_dir / checkpoint.CHECKPOINT)
+        checkpoint.save(run.state(record, window, rngs, full), run.out_dir / checkpoint.CHECKPOINT)
         with open(run.out_dir / HISTORY, "a") as f:
             f.write(json.dumps(record) + "\n")
     distributed.barrier(run.dist)
@@ -380,6 +416,8 @@ def _checkpoint(run: Run, window: Window, t_start: float):
     between = run.step % run.cfg.train.checkpoint_every != 0 and run.step != run.cfg.train.steps
     record = {"step": run.step, **window.record(), "heldout_bpc": run.last_bpc, **memory_stats(run.device),
               "time_s": run.elapsed0 + time.perf_counter() - t_start}
+    if run.ep is not None:  # rank 0's all-to-all traffic per step, forward and backward
+        record["a2a_bytes_per_step"] = 2 * run.ep.take_sent() / max(1, window.steps + window.skipped)
     window = window if between else Window()
     _save(run, window, record)
     return record, window
@@ -475,7 +513,10 @@ def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks) -> dict:
             stop = stop or signals.requested is not None
             last = run.step == t.steps or stop
             if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
-                run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device, run.dist)
+                # Expert parallelism: every rank scores every chunk (a group's ranks take part in
+                # each other's all_to_alls, so they must run the same batches).
+                run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device,
+                                           run.dist if run.ep is None else distributed.SINGLE)
                 bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits/char")
             if run.step % t.checkpoint_every == 0 or last:
                 record, window = _checkpoint(run, window, t_start)

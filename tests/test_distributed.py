@@ -5,6 +5,7 @@ character on one rank, replicas checked, SIGTERM and resume, a distributed check
 process, a rank that dies."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,52 @@ def test_ddp_gradients_against_one_process(tmp_path, case):
         assert all(sum(load[2:]) > 0 for load in res[0]["loads"])
     else:
         assert res[0]["card"] == res[1]["card"] and len(res[0]["card"]) == 3
+
+
+@pytest.mark.parametrize("routing", ["uniform", "sink", "empty"])
+def test_expert_parallel_dispatch_equals_one_process(tmp_path, routing):
+    """minagi.expert_parallel: 6 experts, 3 per rank, pairs sent to their expert's rank and back
+    (float64): outputs and every gradient equal one process's expert_mlp over both ranks'
+    characters; "empty": rank 1's experts get no pair at all."""
+    ok(torchrun(f"ep-{routing}", str(tmp_path), script="tests/dist_worker.py"))
+    assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["max_err"] < 1e-9 for r in (0, 1))
+
+
+def test_expert_parallel_ranks_meet_in_every_row_when_their_characters_halt_apart(tmp_path):
+    ok(torchrun("ep-rows", str(tmp_path), script="tests/dist_worker.py", timeout=120))
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rows"] for r in res] == [r["oracle_rows"] for r in res] == [1.0, 4.0]  # rank 0 stops after row 1
+    assert res[0]["max_err"] < 1e-5 and res[1]["max_err"] < 1e-5
+
+
+def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in_one(tmp_path):
+    # The whole pool on the card (expert parallelism's condition), 3 experts per rank; no n-gram
+    # tables (zero-initialised, AdamW's first steps magnify their float noise), so the bound is tight.
+    ep = ["--set", "model.n_slots=6", "--set", "model.ngram=1"]
+    ranks, one = tmp_path / "ranks", tmp_path / "one"
+    stopped = torchrun("6", "TERM", "--quiet", *ARGS, *ep, "--set", "train.batch=2", "--set", "train.expert_parallel=2",
+                       "--out", str(ranks), script="tests/signal_at_step.py")
+    assert "stopped by SIGTERM at step 6" in stopped.stderr, stopped.stderr[-2000:]
+    ckpt = torch.load(ranks / "checkpoint.pt")
+    assert ckpt["model"]["pool.w_in"].shape[0] == 6  # the shards gathered: an ordinary checkpoint
+    shutil.copytree(ranks, tmp_path / "copy")
+    ok(torchrun("--quiet", *ARGS, *ep, "--set", "train.batch=2", "--set", "train.expert_parallel=2", "--out",
+                str(ranks), "--resume"))  # at the same world size
+    ok(_cli(*ARGS, *ep, "--set", "train.batch=4", "--out", str(one)))
+    assert_same_weights(one, ranks, rel=1e-5)
+    w = ok(plain("write", str(ranks), "--prompt", "def ", "--chars", "10"))
+    assert w.stdout.startswith("def ")
+    again = ok(plain(*ARGS, "--set", "train.batch=2", "--out", str(tmp_path / "copy"), "--resume"))  # one process
+    assert "saved by 2 rank(s), this run has 1" in again.stderr and "done: step 8" in again.stdout
+
+
+def test_expert_parallel_settings_are_checked():
+    r = plain("--quiet", "--set", "train.expert_parallel=2", "--steps", "2")  # cpu-tiny: 64 of 64 on the card
+    assert r.returncode == 2 and "train.expert_parallel = 2 needs a multiple of 2 ranks under torchrun" in r.stderr
+    r = plain("--quiet", "--profile", "cpu-small", "--set", "train.expert_parallel=2")
+    assert r.returncode == 2 and "model.n_slots (32) must equal model.n_pool (48)" in r.stderr
+    r = plain("--quiet", "--set", "train.expert_parallel=3")
+    assert r.returncode == 2 and "must divide model.n_pool (64)" in r.stderr
 
 
 def test_sigterm_on_one_rank_checkpoints_once_and_resume_is_exact(tmp_path):

@@ -1,0 +1,192 @@
+"""Expert parallelism, the dispatch half: the pool's experts sharded over the E ranks of an
+expert-parallel group, each (character, k) pair sent to the rank that holds its expert and its
+output sent back, as Megatron-core's all-to-all token dispatcher and torchtitan's expert
+parallelism do. Routing stays global (every rank routes its characters over all experts); the
+local half is minagi's own grouped dispatch (expert_mlp: the plan and grouped GEMM ops, compiled
+where the extension is loaded).
+
+    per rank: pairs sorted by the rank that owns their expert -> pair counts exchanged
+    (all_to_all_single) -> rows exchanged (the autograd-aware all_to_all_single of
+    torch.distributed._functional_collectives) -> expert_mlp over the local experts, one pair per
+    row, gate 1 -> outputs sent back the same way -> the gated combine per character.
+
+The all_to_all's backward is the all_to_all back, so the input rows' and gates' gradients come
+home, and each rank's expert weights receive the gradient of every rank's pairs that used them.
+
+Legend: N characters, K top_k, R pairs (N * K), E ranks of the group, L local experts (the pool
+/ E), D model width, H expert width, I pairs received.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .dispatch import expert_mlp
+
+
+# Bytes this process has sent to other ranks through the forward all_to_alls of rows (the
+# backward sends as many again); the trainer reads it into the history.
+SENT = {"bytes": 0}
+
+
+def _exchange(t: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+    """all_to_all_single with autograd: rows t [sum(in_splits), ...] out, [sum(out_splits), ...] in."""
+    from torch.distributed import _functional_collectives as fc
+
+    row_bytes = t[:1].numel() * t.element_size()
+    SENT["bytes"] += (sum(in_splits) - in_splits[dist.get_rank(group)]) * row_bytes
+
+    out = fc.all_to_all_single(t.contiguous(), out_splits, in_splits, group)
+    return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+
+
+def _counts(send_E: torch.Tensor, group) -> torch.Tensor:
+    recv_E = torch.empty_like(send_E)
+    dist.all_to_all_single(recv_E, send_E, group=group)
+    return recv_E
+
+
+def ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_LDH, w_out_LHD, *, group, n_experts: int, path: str = "auto"):
+    """y [N, D] = sum_k gates[n, k] * expert_{slot_idx[n, k]}(x[n]), with this rank holding experts
+    [rank * L, (rank + 1) * L) of n_experts (w_in_LDH, w_out_LHD) and the group's other ranks the
+    rest. Every rank of the group calls this with its own characters (possibly none)."""
+    E, rank = dist.get_world_size(group), dist.get_rank(group)
+    L = w_in_LDH.shape[0]
+    if L * E != n_experts:
+        raise ValueError(f"ep_expert_mlp: {L} local experts x {E} ranks != n_experts = {n_experts}")
+    N, K = slot_idx_NK.shape
+    D = x_ND.shape[1]
+    flat_R = slot_idx_NK.reshape(-1)
+    owner_R = torch.div(flat_R, L, rounding_mode="floor")
+    order_R = torch.sort(owner_R, stable=True).indices  # the pairs grouped by the rank they go to
+    send_E = torch.bincount(owner_R, minlength=E)
+    recv_E = _counts(send_E, group)
+    send, recv = send_E.tolist(), recv_E.tolist()
+    # The local expert of every pair goes along (no gradient), then the rows (with one).
+    local_R = (flat_R - owner_R * L).index_select(0, order_R)
+    local_I = torch.empty(sum(recv), dtype=local_R.dtype, device=local_R.device)
+    dist.all_to_all_single(local_I, local_R, recv, send, group=group)
+    x_ID = _exchange(x_ND.index_select(0, torch.div(order_R, K, rounding_mode="floor")), recv, send, group)
+    ones_I1 = torch.ones(local_I.shape[0], 1, dtype=x_ID.dtype, device=x_ID.device)
+    y_ID = expert_mlp(x_ID, local_I.unsqueeze(1), ones_I1, w_in_LDH, w_out_LHD, path=path)
+    y_RD = _exchange(y_ID, send, recv, group)  # back, in the sorted order of the pairs sent
+    unsort_R = torch.empty_like(order_R)
+    unsort_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+    y_NKD = y_RD.index_select(0, unsort_R).view(N, K, D)
+    return (y_NKD * gates_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+
+
+def groups(world: int, ep: int):
+    """The process groups of expert parallelism within data parallelism: ranks [g * ep, (g + 1) *
+    ep) share one pool (an expert-parallel group); ranks with the same place in their group hold
+    the same experts (a data-parallel group, over which those experts' gradients are averaged).
+    Every rank must call this (new_group is collective); returns (this rank's ep group, its dp
+    group)."""
+    if world % ep:
+        raise ValueError(f"train.expert_parallel = {ep} must divide the number of ranks ({world})")
+    rank = dist.get_rank()
+    mine_ep = mine_dp = None
+    for g in range(world // ep):
+        ranks = list(range(g * ep, (g + 1) * ep))
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine_ep = pg
+    for p in range(ep):
+        ranks = list(range(p, world, ep))
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine_dp = pg
+    return mine_ep, mine_dp
+
+
+SHARDED = ("pool.w_in", "pool.w_out")  # the expert weights: [n_pool / E, ...] on each rank
+
+
+class ExpertParallel:
+    """A training run's expert parallelism: its groups, and what the trainer does differently.
+    The expert weights are left out of DDP; after backward each shard's gradient is summed over
+    the ranks that hold the same shard (the data-parallel group) and divided by the ranks, which
+    with DDP's mean of everything else is the gradient of the global batch's mean loss."""
+
+    expert_names = SHARDED
+
+    def __init__(self, world: int, ep: int):
+        self.world, self.ep = world, ep
+        self.ep_group, self.dp_group = groups(world, ep)
+        self.rank = dist.get_rank(self.ep_group)
+
+    def shard(self, model) -> None:
+        """Keep this rank's experts (model.pool) and send every pair through the all_to_all."""
+        model.pool.shard(self.rank, self.ep)
+        model.mlp.ep_group = self.ep_group
+
+    def take_sent(self) -> int:
+        """Bytes of rows sent to other ranks by the forward all_to_alls since the last call."""
+        sent, SENT["bytes"] = SENT["bytes"], 0
+        return sent
+
+    def expert_params(self, model) -> list:
+        return [model.pool.w_in, model.pool.w_out]
+
+    @torch.no_grad()
+    def reduce_grads(self, model) -> None:
+        for p in self.expert_params(model):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.dp_group)
+            p.grad.div_(self.world)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, model, max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the whole model, each shard counted once: the same norm
+        and scale on every rank, and one process's."""
+        experts = {id(p) for p in self.expert_params(model)}
+        params = [p for p in model.parameters() if p.grad is not None]
+        square = lambda ps: sum((p.grad.double().square().sum().cpu() for p in ps),  # noqa: E731
+                                torch.zeros((), dtype=torch.float64))
+        sharded = square([p for p in params if id(p) in experts]).to(params[0].grad.device)
+        dist.all_reduce(sharded, group=self.ep_group)
+        total = (square([p for p in params if id(p) not in experts]) + sharded.cpu()).sqrt()
+        coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+        for p in params:
+            p.grad.mul_(coef)
+        return total.float()
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.ep)]
+        dist.all_gather(parts, t.contiguous(), group=self.ep_group)
+        return torch.cat(parts)
+
+    def full_state(self, model, opt) -> tuple[dict, dict]:
+        """The model's and the optimizer's state dicts with every shard gathered (every rank of
+        the expert-parallel group takes part): an ordinary checkpoint, which loads at any world
+        size and in one process."""
+        msd = model.state_dict()
+        for k in SHARDED:
+            msd[k] = self._gather(msd[k])
+        osd = opt.state_dict()
+        for i in self._opt_indices(model, opt):
+            st = osd["state"].get(i)
+            if st:
+                osd["state"][i] = {k: self._gather(v) for k, v in st.items()}
+        return msd, osd
+
+    def local_state(self, ckpt: dict, model, opt) -> dict:
+        """A full checkpoint cut down to this rank's shard (its model and optimizer entries)."""
+        n = model.pool.w_in.shape[0]
+        mine = slice(self.rank * n, (self.rank + 1) * n)
+        ckpt = dict(ckpt, model=dict(ckpt["model"]))
+        for k in SHARDED:
+            ckpt["model"][k] = ckpt["model"][k][mine]
+        osd = dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"]))
+        for i in self._opt_indices(model, opt):
+            if i in osd["state"]:
+                osd["state"][i] = {k: v[mine] for k, v in osd["state"][i].items()}
+        ckpt["optimizer"] = osd
+        return ckpt
+
+    def _opt_indices(self, model, opt) -> list:
+        """The optimizer state's keys (positions over its param groups) of the expert weights."""
+        ids = {id(p) for p in self.expert_params(model)}
+        flat = [p for g in opt.param_groups for p in g["params"]]
+        return [i for i, p in enumerate(flat) if id(p) in ids]

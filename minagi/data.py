@@ -288,8 +288,10 @@ class FileBytes:
             return torch.empty(len(starts), length, dtype=torch.uint8)
         with mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = np.frombuffer(m, dtype=np.uint8, count=self.n)
-            out = view[starts[:, None] + np.arange(length)]  # a copy: the map can go
-            del view
+            try:
+                out = view[starts[:, None] + np.arange(length)]  # a copy: the map can go
+            finally:
+                del view  # the map closes only once nothing looks into it
         return torch.from_numpy(out)
 
     def read(self) -> torch.Tensor:

@@ -149,11 +149,6 @@ def agree(d: Dist, device: torch.device, *values: float) -> list[float]:
     return t.tolist()
 
 
-def barrier(d: Dist) -> None:
-    if d.active:
-        torch.distributed.barrier()
-
-
 def gather_objects(d: Dist, obj):
     """Every rank's obj, in rank order, on every rank (one per process in one process)."""
     if not d.active:

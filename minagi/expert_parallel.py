@@ -33,10 +33,11 @@ def _exchange(t: torch.Tensor, out_splits: list, in_splits: list, group) -> torc
     """all_to_all_single with autograd: rows t [sum(in_splits), ...] out, [sum(out_splits), ...] in."""
     from torch.distributed import _functional_collectives as fc
 
-    row_bytes = t[:1].numel() * t.element_size()
-    SENT["bytes"] += (sum(in_splits) - in_splits[dist.get_rank(group)]) * row_bytes
+    if torch.is_grad_enabled():  # training's traffic, not evaluation's
+        row_bytes = t[:1].numel() * t.element_size()
+        SENT["bytes"] += (sum(in_splits) - in_splits[dist.get_rank(group)]) * row_bytes
 
-    out = fc.all_to_all_single(t.contiguous(), out_splits, in_splits, group)
+    out = fc.all_to_all_single_autograd(t.contiguous(), out_splits, in_splits, group)
     return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
@@ -46,10 +47,17 @@ def _counts(send_E: torch.Tensor, group) -> torch.Tensor:
     return recv_E
 
 
-def ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_LDH, w_out_LHD, *, group, n_experts: int, path: str = "auto"):
+def ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_LDH, w_out_LHD, *, group, n_experts: int, path: str = "auto",
+                  n_valid: int | None = None):
     """y [N, D] = sum_k gates[n, k] * expert_{slot_idx[n, k]}(x[n]), with this rank holding experts
     [rank * L, (rank + 1) * L) of n_experts (w_in_LDH, w_out_LHD) and the group's other ranks the
-    rest. Every rank of the group calls this with its own characters (possibly none)."""
+    rest. Every rank of the group calls this with its own characters (possibly none). n_valid:
+    rows from n_valid on are padding (zero output; they travel nowhere)."""
+    N = x_ND.shape[0]
+    if n_valid is not None and n_valid < N:
+        y_VD = ep_expert_mlp(x_ND[:n_valid], slot_idx_NK[:n_valid], gates_NK[:n_valid], w_in_LDH, w_out_LHD,
+                             group=group, n_experts=n_experts, path=path)
+        return torch.cat([y_VD, y_VD.new_zeros(N - n_valid, y_VD.shape[1])])
     E, rank = dist.get_world_size(group), dist.get_rank(group)
     L = w_in_LDH.shape[0]
     if L * E != n_experts:
@@ -114,22 +122,27 @@ class ExpertParallel:
         self.world, self.ep = world, ep
         self.ep_group, self.dp_group = groups(world, ep)
         self.rank = dist.get_rank(self.ep_group)
+        self.steps = 0  # optimizer steps since the traffic was last read
 
     def shard(self, model) -> None:
         """Keep this rank's experts (model.pool) and send every pair through the all_to_all."""
         model.pool.shard(self.rank, self.ep)
         model.mlp.ep_group = self.ep_group
 
-    def take_sent(self) -> int:
-        """Bytes of rows sent to other ranks by the forward all_to_alls since the last call."""
-        sent, SENT["bytes"] = SENT["bytes"], 0
-        return sent
+    def take_sent(self) -> float:
+        """Bytes of rows this rank sent to the others per training step since the last call,
+        forward and backward (the backward's all_to_alls mirror the forward's)."""
+        per_step = 2 * SENT["bytes"] / max(1, self.steps)
+        SENT["bytes"], self.steps = 0, 0
+        return per_step
 
     def expert_params(self, model) -> list:
         return [model.pool.w_in, model.pool.w_out]
 
     @torch.no_grad()
     def reduce_grads(self, model) -> None:
+        """Once per optimizer step, after backward."""
+        self.steps += 1
         for p in self.expert_params(model):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -112,7 +112,7 @@ class PooledMLP(nn.Module):
         path = self.path if type(self).grouped_dispatch else "rectangle"
         if self.ep_group is not None:
             y_ND = ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, group=self.ep_group,
-                                 n_experts=router_SD.shape[0], path=path)
+                                 n_experts=router_SD.shape[0], path=path, n_valid=n_valid)
             K = slot_idx_NK.shape[1]
             stats = (dispatch_stats(slot_idx_NK[:n_valid], router_SD.shape[0], 0, n_valid * K, 0)
                      if return_stats else None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import _backend, allocator, checkpoint, distributed
-from .config import Config
+from .config import Config, validate
 from .data import Batches, check_fits, fixed_chunks, load_corpus
 from .dispatch import resolve_path
 from .expert_parallel import ExpertParallel
@@ -309,6 +309,7 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
         saved = Config.from_dict(ckpt["config"])
         for key in LAYOUT:  # how this run spreads over processes is this command's to say
             setattr(saved.train, key, getattr(cfg.train, key))
+        validate(saved)  # the command's layout against the saved model (expert parallelism's needs)
         ignored = [f"{sec}.{k}={v} (saved: {getattr(getattr(saved, sec), k)})"
                    for sec, table in cfg.to_dict().items() if isinstance(table, dict)
                    for k, v in table.items() if getattr(getattr(saved, sec), k) != v]
@@ -321,7 +322,7 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
     corpus = load_corpus(cfg.data.path, cfg.data.heldout_every, cfg.data.max_in_memory)
     check_fits(corpus, cfg.data.context)
     path = resolve_path(cfg.model.dispatch, device)
-    check_card_fits(cfg.model.n_slots, device, path)
+    check_card_fits(cfg.model.n_slots, device)
     ep = _expert_parallel(cfg, dist)
     model, opt, sched = build(cfg, device, ep)
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed, rank=dist.rank,
@@ -401,11 +402,20 @@ def _save(run: Run, window: Window, record: dict) -> None:
                        f"{run.last_good()}. {ADVICE}.")
     rngs = distributed.gather_objects(run.dist, run.rng_state())
     full = run.ep.full_state(run.model, run.opt) if run.ep else None  # every rank of the group takes part
+    failed = None
     if run.dist.main:
-        checkpoint.save(run.state(record, window, rngs, full), run.out_dir / checkpoint.CHECKPOINT)
-        with open(run.out_dir / HISTORY, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    distributed.barrier(run.dist)
+        try:
+            checkpoint.save(run.state(record, window, rngs, full), run.out_dir / checkpoint.CHECKPOINT)
+            with open(run.out_dir / HISTORY, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except Exception as exc:  # the other ranks must hear of it, not wait for it
+            failed = exc
+    # The barrier, and what rank 0 says of its write.
+    if distributed.agree(run.dist, run.device, float(failed is not None))[0]:
+        if failed is not None:
+            raise failed
+        raise checkpoint.CheckpointError(f"rank 0 could not write the checkpoint at step {run.step} (its error is "
+                                         f"above); the last good one is {run.last_good()}")
     run.saved_step = run.step
 
 
@@ -417,7 +427,7 @@ def _checkpoint(run: Run, window: Window, t_start: float):
     record = {"step": run.step, **window.record(), "heldout_bpc": run.last_bpc, **memory_stats(run.device),
               "time_s": run.elapsed0 + time.perf_counter() - t_start}
     if run.ep is not None:  # rank 0's all-to-all traffic per step, forward and backward
-        record["a2a_bytes_per_step"] = 2 * run.ep.take_sent() / max(1, window.steps + window.skipped)
+        record["a2a_bytes_per_step"] = run.ep.take_sent()
     window = window if between else Window()
     _save(run, window, record)
     return record, window
@@ -465,8 +475,9 @@ def _agree_stop(run: Run, signals: GracefulStop, stop: bool) -> bool:
     caught = signals.requested
     asked, term, intr = distributed.agree(run.dist, run.device, float(stop), float(caught == signal.SIGTERM),
                                           float(caught == signal.SIGINT))
-    if caught is None and (term or intr):
-        signals.requested = signal.SIGTERM if term else signal.SIGINT
+    if term or intr:
+        signals.requested = caught or (signal.SIGTERM if term else signal.SIGINT)
+        return True
     return asked > 0
 
 
@@ -508,9 +519,10 @@ def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks) -> dict:
             bar.update(run.step, loss, window.chars / window.train_s, rows_mean)
             info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped, rows_mean)
             stop = any([bool(cb(info)) for cb in callbacks])
-            if run.dist.active:  # a stop asked for on any rank stops every rank at this step
+            if run.dist.active:  # only what every rank agreed on: a signal caught later counts next step
                 stop = _agree_stop(run, signals, stop)
-            stop = stop or signals.requested is not None
+            else:
+                stop = stop or signals.requested is not None
             last = run.step == t.steps or stop
             if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
                 # Expert parallelism: every rank scores every chunk (a group's ranks take part in

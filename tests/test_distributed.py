@@ -149,6 +149,12 @@ def test_expert_parallel_settings_are_checked():
     assert r.returncode == 2 and "must divide model.n_pool (64)" in r.stderr
 
 
+def test_a_resumed_run_checks_the_commands_layout_against_the_saved_model(tmp_path):
+    ok(plain("--quiet", *ARGS, "--set", "train.batch=2", "--steps", "2", "--out", str(tmp_path)))  # 4 of 6 on the card
+    r = plain("--quiet", *ARGS, "--set", "train.expert_parallel=2", "--out", str(tmp_path), "--resume")
+    assert r.returncode == 2 and "model.n_slots (4) must equal model.n_pool (6)" in r.stderr, r.stderr[-1500:]
+
+
 def test_sigterm_on_one_rank_checkpoints_once_and_resume_is_exact(tmp_path):
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     ok(torchrun("--quiet", *ARGS, "--set", "train.batch=2", "--out", str(full)))
@@ -183,6 +189,14 @@ def test_a_rank_that_dies_stops_the_run_without_a_hang(tmp_path):
                     timeout=240)
     assert proc.returncode != 0
     assert "local_rank: 1" in proc.stderr and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_the_reason(tmp_path):
+    (tmp_path / "checkpoint.pt.tmp").mkdir()  # rank 0's write fails; the others must not wait for it
+    proc = torchrun("--quiet", *ARGS, "--set", "train.batch=2", "--set", "train.dist_timeout=60", "--out", str(tmp_path),
+                    timeout=120)
+    assert proc.returncode != 0 and "IsADirectoryError" in proc.stderr
+    assert "rank 0 could not write the checkpoint at step 4" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_rank_streams_are_the_one_process_batch_split():

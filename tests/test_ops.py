@@ -398,10 +398,10 @@ def test_one_gpu_slot_limit_in_the_kernels_and_before_a_run():
     header = (Path(__file__).resolve().parent.parent / "csrc" / "common.h").read_text()
     assert f"constexpr int64_t kMaxGpuSlots = {ops.GPU_MAX_SLOTS};" in header
     with pytest.raises(ConfigError, match="model.n_slots = 2049: the GPU kernels take at most 2048 card slots"):
-        ops.check_card_fits(2049, torch.device("cuda"), "compiled")
-    ops.check_card_fits(2048, torch.device("cuda"), "compiled")
-    ops.check_card_fits(5000, torch.device("cpu"), "compiled")  # the CPU kernels have no limit
-    ops.check_card_fits(5000, torch.device("cuda"), "grouped")
+        ops.check_card_fits(2049, torch.device("cuda"), gpu_kernels=True)
+    ops.check_card_fits(2048, torch.device("cuda"), gpu_kernels=True)
+    ops.check_card_fits(5000, torch.device("cpu"), gpu_kernels=True)  # the CPU kernels have no limit
+    ops.check_card_fits(5000, torch.device("cuda"), gpu_kernels=False)  # no GPU kernels: the twins route
 
 
 @requires_ext

@@ -57,13 +57,15 @@ template <typename scalar_t>
 __global__ void small_rows_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, int64_t b_s0,
                                   int64_t b_s1, int64_t b_s2, const int64_t* __restrict__ slot_ids,
                                   const int64_t* __restrict__ row0, const int64_t* __restrict__ nrows, int64_t K,
-                                  int64_t M, scalar_t* __restrict__ out) {
+                                  int64_t M, int64_t S, scalar_t* __restrict__ out) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t i = blockIdx.y;
   const int64_t m = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nr = nrows[i];
   if (m >= M || nr == 0) return;
-  const scalar_t* w = b + slot_ids[i] * b_s0 + m * b_s2;
+  const int64_t slot = slot_ids[i];
+  CUDA_KERNEL_ASSERT(slot >= 0 && slot < S && "minagi.grouped_mm: slot_ids outside [0, n_slots)");
+  const scalar_t* w = b + slot * b_s0 + m * b_s2;
   const scalar_t* x = a + row0[i] * K;
   acc_t y[kSmallRows] = {};
   for (int64_t k = 0; k < K; ++k) {
@@ -102,7 +104,8 @@ void small_rows_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm_cuda", [&] {
     small_rows_kernel<scalar_t><<<grid, gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), b.stride(0), b.stride(1), b.stride(2),
-        ids.data_ptr<int64_t>(), r0.data_ptr<int64_t>(), nr.data_ptr<int64_t>(), K, M, out.data_ptr<scalar_t>());
+        ids.data_ptr<int64_t>(), r0.data_ptr<int64_t>(), nr.data_ptr<int64_t>(), K, M, b.size(0),
+        out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

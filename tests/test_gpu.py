@@ -156,7 +156,12 @@ def test_the_decode_kernel_reads_weights_in_place_like_the_twin(dtype):
     b = torch.randn(S, K, M, dtype=dtype)
     ids, rows = torch.tensor([7, 2, 11, 0]), torch.tensor([1, 4, 2, 3])  # at most 4 rows per slot
     a = torch.randn(int(rows.sum()), K, dtype=dtype)
-    got = compiled.grouped_mm(a.cuda(), b.cuda(), ids.cuda(), rows)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the in-place kernel ran, not gather + bmm
+        got = compiled.grouped_mm(a.cuda(), b.cuda(), ids.cuda(), rows)
+        torch.cuda.synchronize()
+    assert any("small_rows_kernel" in e.name for e in prof.events()), sorted({e.name for e in prof.events()})
     want = ref.grouped_mm(a.double(), b.double(), ids, rows)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol * K ** 0.5)

@@ -6,7 +6,7 @@ local half is minagi's own grouped dispatch (expert_mlp: the plan and grouped GE
 where the extension is loaded).
 
     per rank: pairs sorted by the rank that owns their expert -> pair counts exchanged
-    (all_to_all_single) -> rows exchanged (the autograd-aware all_to_all_single of
+    (all_to_all_single) -> rows exchanged (all_to_all_single_autograd of
     torch.distributed._functional_collectives) -> expert_mlp over the local experts, one pair per
     row, gate 1 -> outputs sent back the same way -> the gated combine per character.
 

@@ -155,7 +155,7 @@ def bucketed_rows(like: torch.Tensor) -> torch.Tensor:
     GPU kernels' outputs are): not a view, so nothing in autograd treats it as one."""
     with torch.no_grad():
         storage = like.new_empty((_bucket(like.shape[0]), *like.shape[1:])).untyped_storage()
-        return like.new_empty(0).set_(storage, 0, like.shape, torch.empty(like.shape, device="meta").stride())
+        return like.new_empty(0).set_(storage, 0, like.shape)  # contiguous strides
 
 
 class BucketedGelu(torch.autograd.Function):

@@ -155,14 +155,13 @@ class ExpertParallel:
         and scale on every rank, and one process's."""
         experts = {id(p) for p in self.expert_params(model)}
         params = [p for p in model.parameters() if p.grad is not None]
-        square = lambda ps: sum((p.grad.double().square().sum().cpu() for p in ps),  # noqa: E731
-                                torch.zeros((), dtype=torch.float64))
-        sharded = square([p for p in params if id(p) in experts]).to(params[0].grad.device)
+        # Squared norms summed on the device: one all_reduce, no host sync per tensor.
+        square = lambda ps: torch.stack([p.grad.double().square().sum() for p in ps]).sum()  # noqa: E731
+        sharded = square([p for p in params if id(p) in experts])
         dist.all_reduce(sharded, group=self.ep_group)
-        total = (square([p for p in params if id(p) not in experts]) + sharded.cpu()).sqrt()
-        coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
-        for p in params:
-            p.grad.mul_(coef)
+        total = (square([p for p in params if id(p) not in experts]) + sharded).sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef.float())
         return total.float()
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class ExpertPool(nn.Module):
         self.n_pool, self.n_slots = cfg.n_pool, cfg.n_slots
         self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(cfg.n_pool, cfg.d_model, cfg.d_hidden))
         self.last_admitted = None  # pool rows on the card in the last forward: the optimizer's mask
+        self.sharded = False  # expert parallelism keeps only this rank's experts (shard)
         if BALANCE_TERMS[cfg.balance].__dict__.get("adds_bias"):
             # Bias balancing: per pool expert, added to its router logit for the choice only.
             self.register_buffer("route_bias", torch.zeros(cfg.n_pool))
@@ -111,7 +112,7 @@ class ExpertPool(nn.Module):
             rows = admitted_S.to(self.w_in.device)
             card = Card(*(t.index_select(0, rows).to(device) for t in (self.router, self.w_in, self.w_out)))
         # The optimizer's mask; None (every row) for a shard, which is all on the card.
-        self.last_admitted = None if getattr(self, "sharded", False) else admitted_S
+        self.last_admitted = None if self.sharded else admitted_S
         return Card(*(t.to(device) for t in card)), admitted_S, aff_NP
 
     def card_bias(self, admitted_S: torch.Tensor, device: torch.device):

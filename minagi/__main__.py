@@ -47,7 +47,7 @@ USAGE = """usage: minagi COMMAND [options]   (or python -m minagi COMMAND)
 
   train   train a model (python train.py in a checkout)   minagi train --help
   write   write text from a checkpoint                     minagi write DIR --chars N
-  eval    bits per character of a checkpoint on your text   minagi eval DIR --data PATH
+  eval    bits per byte of a checkpoint on your text       minagi eval DIR --data PATH
   plot    draw a run's history                             minagi plot DIR
   routes  how a checkpoint routes, row by row              minagi routes DIR
   prepare a corpus once, read from disk by training        minagi prepare SRC OUT

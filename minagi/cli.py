@@ -68,7 +68,7 @@ def run_train(argv) -> int:
             print(f"minagi: {exc} Resume with: {again}", file=sys.stderr)
         return exc.exit_status
     if record and rank() == 0:
-        print(f"done: step {record['step']}, held-out {record['heldout_bpc']:.3f} bits/char, "
+        print(f"done: step {record['step']}, held-out {record['heldout_bpc']:.3f} bits per byte, "
               f"{record['char_per_s']:,.0f} char/s; checkpoint and history in {out}")
     return 0
 
@@ -93,18 +93,18 @@ def run_write(argv) -> int:
 
 
 def run_eval(argv) -> int:
-    p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per character of a checkpoint on your text.")
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per byte of a checkpoint on your text (the last line of the output).")
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
     p.add_argument("--data", required=True, help="a text file or a folder of them: every byte is scored")
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
-    from .evaluate import bits_per_char, read_bytes
+    from .evaluate import bits_per_byte, read_bytes
     from .writer import load_model
 
     model, cfg = load_model(a.run, a.device)
     data = read_bytes(a.data)
-    print(f"scoring {data.numel():,} bytes of {a.data} in windows of {cfg.data.context}", file=sys.stderr)
-    print(f"{bits_per_char(model, data, cfg.data.context):.4f}")
+    print(f"scoring {data.numel():,} bytes of {a.data} in windows of {cfg.data.context}; bits per byte:", file=sys.stderr)
+    print(f"{bits_per_byte(model, data, cfg.data.context):.4f}")
     return 0
 
 

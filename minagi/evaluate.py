@@ -30,7 +30,7 @@ def read_bytes(path: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def bits_per_char(model, data: torch.Tensor, context: int, batch: int = 16) -> float:
+def bits_per_byte(model, data: torch.Tensor, context: int, batch: int = 16) -> float:
     """Mean bits per byte of `data` [n] under the model."""
     device = next(model.parameters()).device
     seq = torch.cat([torch.tensor([ord("\n")]), data])  # seq[i] predicts seq[i + 1]

@@ -1,5 +1,5 @@
 """python -m minagi.plot DIR (or python train.py plot DIR): the history file drawn into
-DIR/history.png: held-out and train bits per character, char/s, memory, load ratios, and the
+DIR/history.png: held-out and train bits per byte, char/s, memory, load ratios, and the
 routing's health (first-row sink share and load entropy, dead slots).
 matplotlib is an optional extra: pip install matplotlib (or -e ".[plot]")."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def plot_history(run_dir) -> Path:
     ax = axes[0, 0]
     ax.plot(step, [r["heldout_bpc"] for r in recs], "o-", label="held-out")
     ax.plot(step, [r.get("train_bpc", r["train_loss"] / 0.6931471805599453) for r in recs], "s--", label="train")
-    ax.set(title="bits per character", xlabel="step")
+    ax.set(title="bits per byte (heldout_bpc, train_bpc)", xlabel="step")
     ax.legend()
     ax = axes[0, 1]
     ax.plot(step, [r["char_per_s"] for r in recs], "o-")

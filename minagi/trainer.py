@@ -1,5 +1,5 @@
 """The training loop: AdamW (off-card experts untouched), warmup + cosine, gradient clipping,
-gradient accumulation, bfloat16 autocast on GPUs, held-out bits per character, atomic
+gradient accumulation, bfloat16 autocast on GPUs, held-out bits per byte, atomic
 checkpoints, exact resume, and the history file (one JSON record per checkpoint). Under torchrun
 the same loop trains one model on every rank (minagi/distributed.py): rank 0 writes the
 checkpoints, the history and the progress."""
@@ -74,7 +74,7 @@ def autocast(cfg: Config, device: torch.device):
 
 @torch.no_grad()
 def heldout_bpc(model, inputs, targets, batch: int, cfg: Config, device, dist=distributed.SINGLE) -> float:
-    """Mean bits per character over fixed held-out chunks. Under data parallelism each rank
+    """Mean bits per byte over fixed held-out chunks. Under data parallelism each rank
     scores every world-th batch of them and the sums are added up: the same batches (so the same
     admitted cards) and the same figure as one process."""
     model.eval()
@@ -529,7 +529,7 @@ def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks) -> dict:
                 # each other's all_to_alls, so they must run the same batches).
                 run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device,
                                            run.dist if run.ep is None else distributed.SINGLE)
-                bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits/char")
+                bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits per byte")
             if run.step % t.checkpoint_every == 0 or last:
                 record, window = _checkpoint(run, window, t_start)
                 sinks.check(record)

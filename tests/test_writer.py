@@ -9,7 +9,7 @@ import torch
 
 from minagi import ops
 from minagi.config import load
-from minagi.evaluate import bits_per_char
+from minagi.evaluate import bits_per_byte
 from minagi.model import ByteModel
 from minagi.trainer import train
 from minagi.writer import load_model, prepare_prompt, write
@@ -111,7 +111,7 @@ def test_missing_or_corrupt_checkpoint(tmp_path, cmd):
 def test_eval_matches_a_direct_computation():
     model = _halting_model()
     data = torch.randint(0, 256, (70,))
-    got = bits_per_char(model, data, context=24, batch=3)
+    got = bits_per_byte(model, data, context=24, batch=3)
     # Direct: byte i predicted from up to 24 bytes before it (a newline before the first byte),
     # with the same half-context windows: recompute each byte's window by hand.
     seq = torch.cat([torch.tensor([10]), data])

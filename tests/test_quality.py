@@ -1,0 +1,124 @@
+"""The quality bench's twins (python -m minagi.bench quality) and the bits-per-byte labels."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minagi.bench.quality import MODELS, DenseGPT, dense_macs, dense_twin, minagi_macs, models
+from minagi.config import load
+from minagi.model import ByteModel
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.d_hidden=48"]
+
+
+@pytest.mark.parametrize("profile", ["cpu-tiny", "cpu-small", "strix-large"])
+def test_pool_twin_has_the_same_active_width_and_cost(profile):
+    cfg = load(profile, [])
+    twin = dense_twin(cfg).model
+    m = cfg.model
+    assert (twin.n_pool, twin.n_slots, twin.top_k, twin.balance) == (1, 1, 1, "none")
+    assert twin.d_hidden == m.top_k * m.d_hidden
+    # Everything but the pool is the profile's: the same rows, inputs and attention.
+    same = ("d_model", "n_heads", "max_rows", "adaptive_rows", "ngram", "ngram_buckets", "ponder_cost")
+    assert all(getattr(twin, k) == getattr(m, k) for k in same)
+    ratio = minagi_macs(twin, cfg.data.context) / minagi_macs(m, cfg.data.context)
+    assert 0.95 <= ratio <= 1.05, ratio
+
+
+def test_macs_are_counted_from_the_shapes():
+    # Count a ByteModel's matmuls by hand against the formula: weights each character touches
+    # per row (attention's qkv and proj, the router over the card, top_k experts' two matrices,
+    # the halting unit), plus the pool affinity and the head once.
+    cfg = load("cpu-tiny", [])
+    m = cfg.model
+    model = ByteModel(m, cfg.data.context)
+    per_row = (model.attn.qkv.weight.numel() + model.attn.proj.weight.numel() + model.pool.router.numel()
+               + m.top_k * (model.pool.w_in[0].numel() + model.pool.w_out[0].numel()) + model.halt.weight.numel())
+    attention = m.d_model * (cfg.data.context + 1)
+    once = model.pool.router.numel() + model.head.weight.numel()
+    assert minagi_macs(m, cfg.data.context) == m.max_rows * (per_row + attention) + once
+    gpt = DenseGPT()
+    block = sum(p.numel() for n, p in gpt.blocks[0].named_parameters() if n.endswith("weight") and "ln" not in n)
+    assert dense_macs(gpt) == 4 * (block + 128 * 65) + gpt.head.weight.numel()
+
+
+def test_dense_ngram_twin_takes_the_profiles_inputs():
+    cfg = load("cpu-tiny", [])
+    table = models(cfg)
+    assert tuple(table) == MODELS
+    gpt = DenseGPT(ngram=cfg.model.ngram, ngram_buckets=cfg.model.ngram_buckets)
+    assert len(gpt.ngram_embed) == cfg.model.ngram - 1
+    assert all(e.weight.shape == (cfg.model.ngram_buckets, 128) and not e.weight.any() for e in gpt.ngram_embed)
+    # Lookups cost no multiply-adds: the twin costs what the plain GPT costs.
+    assert table["dense-ngram"][1] == table["dense"][1]
+    # Zero tables: at first it computes exactly the plain GPT (same seed), and the inputs reach it.
+    torch.manual_seed(0)
+    plain = DenseGPT()
+    torch.manual_seed(0)
+    gpt = DenseGPT(ngram=3, ngram_buckets=97)
+    x = torch.randint(0, 256, (2, 64))
+    torch.testing.assert_close(gpt(x), plain(x))
+    gpt(x).sum().backward()
+    assert all(e.weight.grad.abs().sum() > 0 for e in gpt.ngram_embed)
+
+
+def _bench(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "minagi.bench", "quality", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bench_quality_models_seconds_and_data(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):  # a hash split by file: some fall on the held-out side
+        (corpus / f"f{i}.txt").write_text(f"line {i}: the quick brown fox jumps over the lazy dog.\n" * 30)
+    out = tmp_path / "q.json"
+    r = _bench("--seconds", "1.5", "--models", "minagi-dense,dense-ngram,minagi", "--eval-bytes", "2000",
+               "--data", str(corpus), "--json", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert list(data["results"]) == ["dense-ngram", "minagi-dense", "minagi"]  # in the bench's order
+    assert data["seconds"] == 1.5 and str(corpus) in data["data"]
+    for v in data["results"].values():
+        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 2 and 1.5 <= v["seconds"] < 30
+        assert v["macs_per_char"] > 0
+    assert set(data["gaps"]) == {"dense-ngram", "minagi-dense"}
+    assert "bits per byte" in r.stdout and "minagi ahead by" in r.stdout
+
+
+def test_bench_quality_rejects_unknown_models():
+    r = _bench("--models", "dense,gpt4")
+    assert r.returncode != 0 and "unknown gpt4" in r.stderr and "minagi-dense" in r.stderr
+
+
+def test_labels_say_bits_per_byte(tmp_path, capsys):
+    from minagi.trainer import train
+
+    cfg = load("cpu-tiny", ["train.steps=2", "train.eval_every=2", "train.eval_chunks=2", "train.checkpoint_every=2",
+                            "model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "data.context=32"])
+    train(cfg, tmp_path / "run")
+    assert "held-out" in (err := capsys.readouterr().err) and "bits per byte" in err
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x\n" * 5)
+    r = subprocess.run([sys.executable, "-m", "minagi", "eval", str(tmp_path / "run"), "--data", str(tmp_path / "t.txt")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "bits per byte" in r.stderr and float(r.stdout.strip().splitlines()[-1]) > 0
+    pytest.importorskip("matplotlib")
+    from minagi import plot
+
+    titles = [c for c in plot.plot_history.__code__.co_consts if isinstance(c, str) and "bits per" in c]
+    assert titles and all("bits per byte" in t for t in titles)
+    assert plot.plot_history(tmp_path / "run").exists()
+
+
+def test_docs_corpus_tool(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tools/docs_corpus.py"), str(tmp_path / "docs")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    files = list((tmp_path / "docs").glob("*.txt"))
+    assert len(files) > 100 and sum(f.stat().st_size for f in files) > 1_000_000
+    assert "re - Support for regular expressions" in (tmp_path / "docs" / "re.txt").read_text()
+    assert not any(" at 0x" in f.read_text() for f in files)

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
                 text = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
         except Exception:  # a module this platform cannot import: its docs are left out
             continue
-        text = re.sub(r" at 0x[0-9a-f]+", "", text)  # object addresses differ from run to run
+        text = re.sub(r"( at 0x|, handle )[0-9a-f]*", "", text)  # addresses differ from run to run
         (out / f"{name}.txt").write_text(text)
         total += len(text.encode())
     print(f"{out}: {len(names)} modules, {total:,} bytes")

@@ -1,14 +1,24 @@
 """Checkpoints: written atomically (temporary file, fsync, rename), so a crash mid-write never
 corrupts the last good one; loaded with torch.load's weights_only default (dicts, tensors and
-plain types only)."""
+plain types only).
+
+An expert-parallel run's checkpoint is two parts: checkpoint.pt (everything but the expert
+shards, and the name of their folder) and that folder, written by every rank through
+torch.distributed.checkpoint (DCP). The folder is new at every save and checkpoint.pt, renamed
+into place after it, is what commits it: a crash mid-write leaves the last good pair. load()
+reads the shards back whole, so such a checkpoint loads in one process and at any world size.
+"""
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
 CHECKPOINT = "checkpoint.pt"
+EXPERTS = "experts-"  # the shard folders' prefix: experts-<step>-<tag>
 
 
 class CheckpointError(RuntimeError):
@@ -40,7 +50,55 @@ def check_writable(out_dir) -> None:
                               f"{exc.strerror or exc}); choose another --out, or fix its permissions") from None
 
 
-def load(run_dir, map_location="cpu", require_finite: bool = True) -> dict:
+def put(ckpt: dict, key: str, t: torch.Tensor) -> None:
+    """Place a shard folder's tensor in the checkpoint: "model/NAME" is a model state entry,
+    "optimizer/I/NAME" the entry NAME of the optimizer state of parameter I."""
+    part, *rest = key.split("/")
+    if part == "model":
+        ckpt["model"][rest[0]] = t
+    else:
+        ckpt["optimizer"]["state"].setdefault(int(rest[0]), {})[rest[1]] = t
+
+
+def shard_folder(path: Path, ckpt: dict) -> Path:
+    folder = path.parent / ckpt["experts"]["folder"]
+    if not (folder / ".metadata").exists():
+        raise CheckpointError(f"{path} keeps its expert shards in {folder}, which is missing or incomplete; "
+                              "copy a run folder whole (checkpoint.pt with its experts-* folder)")
+    return folder
+
+
+def read_experts(path: Path, ckpt: dict) -> dict:
+    """The expert shards of an expert-parallel run's checkpoint, read whole into it (in this
+    process alone, at any world size): then it is an ordinary checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = shard_folder(path, ckpt)
+    whole = {k: torch.empty(shape, dtype=getattr(torch, dtype)) for k, (shape, dtype) in ckpt["experts"]["tensors"].items()}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(whole, checkpoint_id=folder, no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"the expert shards in {folder} cannot be read ({type(exc).__name__}: {exc})") from exc
+    ckpt = dict(ckpt, model=dict(ckpt["model"]), optimizer=dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"])))
+    for k, t in whole.items():
+        put(ckpt, k, t)
+    del ckpt["experts"]
+    return ckpt
+
+
+def prune(run_dir: Path, keep: str | None) -> None:
+    """Remove the shard folders the checkpoint no longer names (older saves, or a save that
+    crashed before its checkpoint.pt was written)."""
+    for d in Path(run_dir).glob(EXPERTS + "*"):
+        if d.name != keep and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def load(run_dir, map_location="cpu", require_finite: bool = True, experts: bool = True) -> dict:
+    """A run's checkpoint. experts=False leaves an expert-parallel run's shards where they are
+    (its "experts" entry names them; ExpertParallel.local_state reads each rank's part)."""
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT if run_dir.is_dir() or not run_dir.suffix else run_dir
     if not path.exists():
@@ -55,6 +113,8 @@ def load(run_dir, map_location="cpu", require_finite: bool = True) -> dict:
                               "it may be truncated or not a minagi checkpoint") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path} is not a minagi checkpoint (no model state or config in it)")
+    if "experts" in ckpt and experts:
+        ckpt = read_experts(path, ckpt)
     if require_finite:
         from .guard import nonfinite
 

@@ -158,11 +158,11 @@ def gather_objects(d: Dist, obj):
     return out
 
 
-def checksum(model: torch.nn.Module, skip=()) -> torch.Tensor:
+def checksum(model: torch.nn.Module) -> torch.Tensor:
     """Per parameter and buffer, the sum of its bits read as integers: any flipped bit changes it."""
     sums = []
     for name, t in model.state_dict().items():
-        if not isinstance(t, torch.Tensor) or not t.numel() or name in skip:
+        if not isinstance(t, torch.Tensor) or not t.numel():
             continue
         t = t.detach().contiguous().reshape(-1)
         if t.is_floating_point():
@@ -171,17 +171,19 @@ def checksum(model: torch.nn.Module, skip=()) -> torch.Tensor:
     return torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.long)
 
 
-def check_replicas(model: torch.nn.Module, d: Dist, step: int, skip=()) -> None:
+def check_replicas(model: torch.nn.Module, d: Dist, step: int, sharded=(), ep: int = 1) -> None:
     """Raise if the ranks' models differ in any bit: data parallelism's promise, checked at every
     checkpoint (a mismatch means a rank took a different decision, and the run cannot go on).
-    skip: tensors that differ by design (expert parallelism's shards)."""
+    sharded: expert parallelism's shards, which differ by design within a group of ep ranks;
+    each is compared with the first group's rank that holds the same experts (rank % ep)."""
     if not d.active:
         return
-    sums = gather_objects(d, checksum(model, skip))
-    names = [k for k, t in model.state_dict().items() if isinstance(t, torch.Tensor) and t.numel() and k not in skip]
-    for r, s in enumerate(sums[1:], start=1):
-        if not torch.equal(s, sums[0]):
-            which = [n for n, a, b in zip(names, sums[0].tolist(), s.tolist()) if a != b]
-            raise DistributedError(f"at step {step} the model on rank {r} differs from rank 0's ({', '.join(which[:4])}"
+    sums = [s.tolist() for s in gather_objects(d, checksum(model))]
+    names = [k for k, t in model.state_dict().items() if isinstance(t, torch.Tensor) and t.numel()]
+    for r in range(1, d.world):
+        which = [n for i, n in enumerate(names)
+                 if sums[r][i] != sums[r % ep if n in sharded else 0][i]]
+        if which:
+            raise DistributedError(f"at step {step} the model on rank {r} differs from its replica's ({', '.join(which[:4])}"
                                    f"{' ...' if len(which) > 4 else ''}): the replicas drifted apart. This is a bug; "
                                    "please report it with the run's config")

@@ -18,9 +18,13 @@ Legend: N characters, K top_k, R pairs (N * K), E ranks of the group, L local ex
 """
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .dispatch import expert_mlp
 
 
@@ -123,6 +127,7 @@ class ExpertParallel:
         self.ep_group, self.dp_group = groups(world, ep)
         self.rank = dist.get_rank(self.ep_group)
         self.steps = 0  # optimizer steps since the traffic was last read
+        self.mesh = None  # for the checkpoint's DTensors, made at the first save or load
 
     def shard(self, model) -> None:
         """Keep this rank's experts (model.pool) and send every pair through the all_to_all."""
@@ -164,27 +169,94 @@ class ExpertParallel:
         torch._foreach_mul_([p.grad for p in params], coef.float())
         return total.float()
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(self.ep)]
-        dist.all_gather(parts, t.contiguous(), group=self.ep_group)
-        return torch.cat(parts)
+    def _mesh(self, device: torch.device):
+        """The (data-parallel, expert-parallel) device mesh over this run's own groups: ranks
+        [g * E, (g + 1) * E) are row g, as groups() made them."""
+        if self.mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
 
-    def full_state(self, model, opt) -> tuple[dict, dict]:
-        """The model's and the optimizer's state dicts with every shard gathered (every rank of
-        the expert-parallel group takes part): an ordinary checkpoint, which loads at any world
-        size and in one process."""
-        msd = model.state_dict()
-        for k in SHARDED:
-            msd[k] = self._gather(msd[k])
-        osd = opt.state_dict()
+            layout = torch.arange(self.world).view(self.world // self.ep, self.ep)
+            self.mesh = DeviceMesh.from_group([self.dp_group, self.ep_group], device.type, mesh=layout,
+                                              mesh_dim_names=("dp", "ep"))
+        return self.mesh
+
+    def _shards(self, model, opt) -> dict:
+        """This rank's expert tensors by checkpoint key (checkpoint.put): the weights, and their
+        optimizer state (moments, and the per-expert step counts)."""
+        out = {f"model/{k}": t for k, t in model.state_dict().items() if k in SHARDED}
+        flat = [p for g in opt.param_groups for p in g["params"]]
         for i in self._opt_indices(model, opt):
-            st = osd["state"].get(i)
-            if st:
-                osd["state"][i] = {k: self._gather(v) for k, v in st.items()}
+            for name, v in opt.state.get(flat[i], {}).items():
+                if v.dim() and v.shape[0] == flat[i].shape[0]:
+                    out[f"optimizer/{i}/{name}"] = v
+        return out
+
+    def _as_dtensor(self, local: torch.Tensor):
+        """One shard as its part of the whole: split over the expert-parallel ranks (dim 0),
+        replicated over the data-parallel ones, so DCP writes each expert once."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        whole = (local.shape[0] * self.ep, *local.shape[1:])
+        return DTensor.from_local(local, self._mesh(local.device), [Replicate(), Shard(0)], run_check=False,
+                                  shape=torch.Size(whole), stride=torch.empty(whole, device="meta").stride())
+
+    def save_shards(self, model, opt, run_dir: Path, step: int, tag: str) -> dict:
+        """Every rank: the expert shards into a new DCP folder of run_dir. Returns the
+        checkpoint's entry for them (the folder; each tensor's whole shape and dtype). tag: the
+        same on every rank (rank 0's), so a save at a step already saved gets a folder of its own."""
+        import torch.distributed.checkpoint as dcp
+
+        name = f"{checkpoint.EXPERTS}{step:08d}-{tag}"
+        shards = {k: self._as_dtensor(v) for k, v in self._shards(model, opt).items()}
+        dcp.save(shards, checkpoint_id=Path(run_dir) / name)
+        tensors = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in shards.items()}
+        return {"folder": name, "tensors": tensors}
+
+    def rest_state(self, model, opt) -> tuple[dict, dict]:
+        """The model's and the optimizer's state dicts without the expert shards (the same on
+        every rank: what checkpoint.pt keeps beside the shard folder)."""
+        shards = self._shards(model, opt)
+        msd = {k: v for k, v in model.state_dict().items() if f"model/{k}" not in shards}
+        osd = opt.state_dict()
+        osd["state"] = {i: {n: v for n, v in st.items() if f"optimizer/{i}/{n}" not in shards}
+                        for i, st in osd["state"].items()}
         return msd, osd
 
-    def local_state(self, ckpt: dict, model, opt) -> dict:
-        """A full checkpoint cut down to this rank's shard (its model and optimizer entries)."""
+    @staticmethod
+    def new_tag() -> str:
+        return uuid.uuid4().hex[:8]
+
+    def local_state(self, ckpt: dict, path: Path, model, opt) -> dict:
+        """The checkpoint with this rank's part of the experts: read from its DCP folder (only
+        this rank's rows), or cut from a checkpoint that holds the whole pool."""
+        if "experts" not in ckpt:
+            return self._cut(ckpt, model, opt)
+        import torch.distributed.checkpoint as dcp
+
+        folder = checkpoint.shard_folder(path, ckpt)
+        n = model.pool.w_in.shape[0]
+        mine = {k: self._as_dtensor(torch.empty((n, *shape[1:]), dtype=getattr(torch, dtype), device=model.pool.w_in.device))
+                for k, (shape, dtype) in ckpt["experts"]["tensors"].items()}
+        dcp.load(mine, checkpoint_id=folder)
+        ckpt = dict(ckpt, model=dict(ckpt["model"]), optimizer=dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"])))
+        for k, t in mine.items():
+            checkpoint.put(ckpt, k, t.to_local())
+        self._check_finite(mine)
+        return ckpt
+
+    def _check_finite(self, mine: dict) -> None:
+        """Every rank hears of a non-finite shard (a rank that raised alone would leave the
+        others waiting in their next collective)."""
+        local = [t.to_local() for t in mine.values()]
+        bad = torch.stack([~t.isfinite().all() for t in local]).sum().float().reshape(1) if local else torch.zeros(1)
+        dist.all_reduce(bad)
+        if bad.item():
+            raise checkpoint.CheckpointError("the checkpoint's expert shards hold non-finite values: it was saved by a "
+                                             "run that diverged. Train again (with a lower train.lr), or use an "
+                                             "earlier checkpoint")
+
+    def _cut(self, ckpt: dict, model, opt) -> dict:
+        """A checkpoint of the whole pool cut down to this rank's shard."""
         n = model.pool.w_in.shape[0]
         mine = slice(self.rank * n, (self.rank + 1) * n)
         ckpt = dict(ckpt, model=dict(ckpt["model"]))
@@ -193,7 +265,7 @@ class ExpertParallel:
         osd = dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"]))
         for i in self._opt_indices(model, opt):
             if i in osd["state"]:
-                osd["state"][i] = {k: v[mine] for k, v in osd["state"][i].items()}
+                osd["state"][i] = {k: v[mine] if v.dim() else v for k, v in osd["state"][i].items()}
         ckpt["optimizer"] = osd
         return ckpt
 

@@ -259,11 +259,12 @@ class Run:
         return {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
 
-    def state(self, record: dict, window: Window, rngs: list, full: tuple | None = None) -> dict:
+    def state(self, record: dict, window: Window, rngs: list, experts: dict | None = None) -> dict:
         """The checkpoint. rngs: every rank's random state, in rank order (the data position is
-        one generator, the same on every rank); full: the model's and optimizer's state with the
-        expert shards gathered (expert parallelism), else this process's."""
-        model_sd, opt_sd = full or (self.model.state_dict(), self.opt.state_dict())
+        one generator, the same on every rank); experts: under expert parallelism, the entry
+        naming the shard folder just written (the expert shards are left out of this part)."""
+        model_sd, opt_sd = self.ep.rest_state(self.model, self.opt) if experts else (self.model.state_dict(),
+                                                                                   self.opt.state_dict())
         return {
             "model": model_sd, "optimizer": opt_sd, "scheduler": self.sched.state_dict(),
             "step": self.step, "data": self.batches.state(), "config": self.cfg.to_dict(), "record": record,
@@ -272,11 +273,12 @@ class Run:
             "dispatch": {"path": self.path, "extension": _backend.loaded()},
             "elapsed_s": record["time_s"],
             "window": asdict(window),  # empty unless the run stopped between records (a signal)
+            **({"experts": experts} if experts else {}),
         }
 
     def restore(self, ckpt: dict) -> Window:
-        if self.ep is not None:  # a checkpoint holds the whole pool: keep this rank's experts
-            ckpt = self.ep.local_state(ckpt, self.model, self.opt)
+        if self.ep is not None:  # this rank's experts, from the shard folder or the whole pool
+            ckpt = self.ep.local_state(ckpt, self.out_dir / checkpoint.CHECKPOINT, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
@@ -303,7 +305,8 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
     """The run, its window and corpus-derived held-out chunks, and the settings this command gave
     that a resumed run ignores."""
     checkpoint.check_writable(out_dir)
-    ckpt = checkpoint.load(out_dir, require_finite=True) if resume else None
+    # Under expert parallelism each rank reads only its experts (Run.restore).
+    ckpt = checkpoint.load(out_dir, require_finite=True, experts=cfg.train.expert_parallel == 1) if resume else None
     ignored = []
     if ckpt is not None:  # the saved settings win (but the layout's); say which of this command's differ
         saved = Config.from_dict(ckpt["config"])
@@ -392,7 +395,7 @@ def _save(run: Run, window: Window, record: dict) -> None:
     """Checkpoint and history record, unless the state is not finite: then the checkpoint on disk
     (the last good one) stays, and the run stops. Every rank comes here (the replicas are checked
     and the random states gathered); rank 0 writes, the others wait for it."""
-    distributed.check_replicas(run.model, run.dist, run.step, skip=run.ep.expert_names if run.ep else ())
+    distributed.check_replicas(run.model, run.dist, run.step, *((run.ep.expert_names, run.ep.ep) if run.ep else ()))
     bad = nonfinite(state_tensors(run.model, run.opt))
     if distributed.agree(run.dist, run.device, float(len(bad)))[0] and not bad:  # another rank's shard
         bad = ["an expert shard on another rank"]
@@ -401,11 +404,15 @@ def _save(run: Run, window: Window, record: dict) -> None:
                        f"e.g. {', '.join(bad[:3])}); it was not saved. The last good checkpoint is "
                        f"{run.last_good()}. {ADVICE}.")
     rngs = distributed.gather_objects(run.dist, run.rng_state())
-    full = run.ep.full_state(run.model, run.opt) if run.ep else None  # every rank of the group takes part
+    experts = None
+    if run.ep:  # every rank writes its shards (DCP); checkpoint.pt, written after, commits them
+        tag = distributed.gather_objects(run.dist, ExpertParallel.new_tag())[0]
+        experts = run.ep.save_shards(run.model, run.opt, run.out_dir, run.step, tag)
     failed = None
     if run.dist.main:
         try:
-            checkpoint.save(run.state(record, window, rngs, full), run.out_dir / checkpoint.CHECKPOINT)
+            checkpoint.save(run.state(record, window, rngs, experts), run.out_dir / checkpoint.CHECKPOINT)
+            checkpoint.prune(run.out_dir, keep=experts and experts["folder"])
             with open(run.out_dir / HISTORY, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except Exception as exc:  # the other ranks must hear of it, not wait for it

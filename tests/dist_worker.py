@@ -98,11 +98,16 @@ def case_drift(d, cfg):
         with torch.no_grad():
             w = model.attn.proj.weight.view(-1)
             w[7] = torch.nextafter(w[7], torch.tensor(1.0))
-    try:
-        distributed.check_replicas(model, d, 5)
-    except distributed.DistributedError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+    errors = []
+    # Replicated (also as a shard of a one-rank group); a shard of a 2-rank group; and an
+    # identical tensor next to a shard, which is still compared.
+    for sharded, ep in (((), 1), (("attn.proj.weight",), 1), (("attn.proj.weight",), 2), (("head.weight",), 2)):
+        try:
+            distributed.check_replicas(model, d, 5, sharded, ep)
+            errors.append(None)
+        except distributed.DistributedError as exc:
+            errors.append(str(exc))
+    return {"errors": errors}
 
 
 def ep_inputs(r: int, routing: str):

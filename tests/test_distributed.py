@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import distributed
+from minagi import checkpoint, distributed
 from minagi.data import Batches
 
 from test_trainer import TINY, _cli, _history
@@ -40,7 +40,7 @@ def plain(*args):
 
 
 def weights(run) -> dict:
-    return torch.load(Path(run) / "checkpoint.pt")["model"]
+    return checkpoint.load(run)["model"]
 
 
 def assert_same_weights(a, b, rel=5e-3):
@@ -93,7 +93,10 @@ def test_ddp_gradients_against_one_process(tmp_path, case):
     ok(torchrun(case, str(tmp_path), script="tests/dist_worker.py"))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     if case == "drift":
-        assert all("on rank 1 differs from rank 0's (attn.proj.weight)" in (r["error"] or "") for r in res)
+        for r in res:
+            first, as_shard, by_design, other_shard = r["errors"]
+            assert first == as_shard and "on rank 1 differs from its replica's (attn.proj.weight)" in first
+            assert by_design is None and other_shard == first
         return
     assert res[0]["max_err"] < 1e-5 and res[1]["max_err"] < 1e-5
     if case == "empty":  # rank 1 sent nothing to experts 2..5, rank 0 did
@@ -127,15 +130,27 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in
     stopped = torchrun("6", "TERM", "--quiet", *ARGS, *ep, "--set", "train.batch=2", "--set", "train.expert_parallel=2",
                        "--out", str(ranks), script="tests/signal_at_step.py")
     assert "stopped by SIGTERM at step 6" in stopped.stderr, stopped.stderr[-2000:]
+    # DCP: checkpoint.pt without the experts, beside the one shard folder it names.
     ckpt = torch.load(ranks / "checkpoint.pt")
-    assert ckpt["model"]["pool.w_in"].shape[0] == 6  # the shards gathered: an ordinary checkpoint
+    folders = sorted(d.name for d in ranks.glob("experts-*"))
+    assert "pool.w_in" not in ckpt["model"] and folders == [ckpt["experts"]["folder"]]
+    assert folders[0].startswith("experts-00000006-") and (ranks / folders[0] / ".metadata").exists()
+    assert ckpt["experts"]["tensors"]["model/pool.w_in"][0] == [6, 32, 48]
+    whole = checkpoint.load(ranks)  # in one process: the whole pool, and its optimizer state
+    assert whole["model"]["pool.w_in"].shape[0] == 6 and "experts" not in whole
+    pool = [st for st in whole["optimizer"]["state"].values() if st["exp_avg"].dim() == 3]  # w_in, w_out
+    assert len(pool) == 2 and all(st[k].shape[0] == 6 for st in pool for k in ("exp_avg", "exp_avg_sq", "step"))
     shutil.copytree(ranks, tmp_path / "copy")
     ok(torchrun("--quiet", *ARGS, *ep, "--set", "train.batch=2", "--set", "train.expert_parallel=2", "--out",
                 str(ranks), "--resume"))  # at the same world size
     ok(_cli(*ARGS, *ep, "--set", "train.batch=4", "--out", str(one)))
     assert_same_weights(one, ranks, rel=1e-5)
+    assert len(list(ranks.glob("experts-*"))) == 1  # the step-6 folder pruned after step 8's save
     w = ok(plain("write", str(ranks), "--prompt", "def ", "--chars", "10"))
     assert w.stdout.startswith("def ")
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x\n" * 4)
+    e = ok(plain("eval", str(ranks), "--data", str(tmp_path / "t.txt")))
+    assert float(e.stdout.split()[-1]) > 0
     again = ok(plain(*ARGS, "--set", "train.batch=2", "--out", str(tmp_path / "copy"), "--resume"))  # one process
     assert "saved by 2 rank(s), this run has 1" in again.stderr and "done: step 8" in again.stdout
 
@@ -228,9 +243,14 @@ def test_torchrun_without_torch_distributed_says_what_is_missing(monkeypatch):
 def test_the_ddp_benchmark_writes_its_figures(tmp_path):
     from conftest import run_bench
 
-    r = run_bench("ddp", "--steps", "3", "--rounds", "1", "--out", tmp_path)
+    r = run_bench("ddp", "--steps", "3", "--rounds", "1", "--expert-parallel", "2", "--out", tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "bench_ddp.json").read_text())
     assert res["char_per_s_one"] > 0 and res["char_per_s_ranks"] > 0 and res["global_batch"] == 8  # 4 x 2 ranks
     # every parameter's float32 gradient (the load balance term keeps no buffer in the state)
-    assert res["allreduce_bytes_per_step"] == 4 * sum(t.numel() for t in weights(tmp_path / "one-0").values())
+    w = weights(tmp_path / "one-0")
+    assert res["allreduce_bytes_per_step"] == 4 * sum(t.numel() for t in w.values())
+    # Expert parallelism over both ranks: the experts leave the all-reduce, their rows travel.
+    experts = 4 * (w["pool.w_in"].numel() + w["pool.w_out"].numel())
+    assert res["ep_allreduce_bytes_per_step"] == res["allreduce_bytes_per_step"] - experts
+    assert res["char_per_s_ep"] > 0 and res["a2a_bytes_per_step"] > 0 and "expert_parallel 2:" in r.stdout

@@ -29,6 +29,10 @@ class ModelConfig:
     adaptive_rows: bool = True  # ACT-style halting per character
     ponder_cost: float = 0.01  # weight of rows used in the loss
     halt_epsilon: float = 0.01  # a character halts once its halting sum reaches 1 - epsilon
+    # A pair's gate: "chosen" = softmax over the top_k chosen slots' logits (they sum to 1; with
+    # top_k = 1 the gate is 1 and the loss never reaches the router); "all" = softmax over every
+    # card slot, taken at the chosen ones (Switch Transformer): the loss teaches the choice.
+    gates: str = "chosen"
     balance: str = "admission"  # the balance term (minagi.balance.BALANCE_TERMS)
     balance_coef: float = 0.01
     bias_rate: float = 1e-3  # balance = "bias": how far a routing bias moves per step
@@ -228,6 +232,7 @@ def validate(cfg: Config) -> None:
         (0 < m.halt_epsilon < 1, "model.halt_epsilon must be in (0, 1)"),
         (1 <= m.ngram <= 4, f"model.ngram must be in [1, 4] (1 = bytes alone), got {m.ngram}"),
         (m.ngram == 1 or m.ngram_buckets >= 1, "model.ngram_buckets must be >= 1"),
+        (m.gates in ("chosen", "all"), f"model.gates must be chosen or all, got {m.gates!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.dispatch in ("auto", "rectangle", "grouped", "compiled"), f"model.dispatch must be auto, rectangle, grouped or compiled, got {m.dispatch!r}"),
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),

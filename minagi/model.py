@@ -148,7 +148,7 @@ class ByteModel(nn.Module):
         self.attn = Attention(D, cfg.n_heads)
         self.pool = ExpertPool(cfg)
         self.mlp = PooledMLP(D, cfg.d_hidden, cfg.n_slots, cfg.top_k, capacity_factor=cfg.capacity_factor,
-                             path=cfg.dispatch, own_card=False)
+                             path=cfg.dispatch, own_card=False, gates=cfg.gates)
         self.halt = nn.Linear(D, 1)
         self.head = nn.Linear(D, VOCAB, bias=False)
         self.balance_term = BALANCE_TERMS[cfg.balance]()

@@ -47,12 +47,14 @@ class PooledMLP(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, n_slots: int, top_k: int, *,
                  capacity_factor: float = 0.0, path: str = "auto", own_card: bool = True,
-                 device=None, dtype=None):
+                 gates: str = "chosen", device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= n_slots:
             raise ValueError(f"PooledMLP: top_k must be in [1, n_slots = {n_slots}], got {top_k}")
         self.d_model, self.d_hidden, self.n_slots = d_model, d_hidden, n_slots
-        self.top_k, self.capacity_factor, self.path = top_k, capacity_factor, path
+        if gates not in ("chosen", "all"):
+            raise ValueError(f"PooledMLP: gates must be 'chosen' or 'all', got {gates!r}")
+        self.top_k, self.capacity_factor, self.path, self.gates = top_k, capacity_factor, path, gates
         self.last_stats = None
         # Benchmarks set this to impose a routing shape: fn(x_ND, n_slots, top_k) -> (slot_idx, gates).
         self.force_routing = None
@@ -90,7 +92,10 @@ class PooledMLP(nn.Module):
             slot_idx_NK = torch.cat([slot_idx_NK[:n_valid], spread])
             if self.route_log is not None:  # the real characters' load
                 load_S = torch.bincount(slot_idx_NK[:n_valid].reshape(-1), minlength=S)
-        if route_bias_S is not None:
+        if self.gates == "all":  # each chosen slot's share of the whole card's softmax
+            wide = torch.promote_types(logits_NS.dtype, torch.float32)  # bfloat16 logits: float32 softmax
+            gates_NK = torch.softmax(logits_NS, dim=-1, dtype=wide).gather(1, slot_idx_NK)
+        elif route_bias_S is not None:
             gates_NK = torch.softmax(logits_NS.gather(1, slot_idx_NK).float(), dim=-1)
         if self.route_log is not None:
             self.route_log.append(RowRoute(logits_NS, load_S, n_valid))
@@ -127,4 +132,4 @@ class PooledMLP(nn.Module):
     def extra_repr(self) -> str:
         S, D, H = self.n_slots, self.d_model, self.d_hidden
         return (f"n_slots={S}, d_model={D}, d_hidden={H}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, path={self.path!r}")
+                f"capacity_factor={self.capacity_factor}, path={self.path!r}, gates={self.gates!r}")

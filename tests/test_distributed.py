@@ -141,6 +141,10 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in
     pool = [st for st in whole["optimizer"]["state"].values() if st["exp_avg"].dim() == 3]  # w_in, w_out
     assert len(pool) == 2 and all(st[k].shape[0] == 6 for st in pool for k in ("exp_avg", "exp_avg_sq", "step"))
     shutil.copytree(ranks, tmp_path / "copy")
+    (tmp_path / "torn").mkdir()  # checkpoint.pt copied without its shard folder
+    shutil.copy(ranks / "checkpoint.pt", tmp_path / "torn")
+    torn = plain("write", str(tmp_path / "torn"), "--chars", "5")
+    assert torn.returncode == 2 and "missing or incomplete" in torn.stderr and "experts-" in torn.stderr
     ok(torchrun("--quiet", *ARGS, *ep, "--set", "train.batch=2", "--set", "train.expert_parallel=2", "--out",
                 str(ranks), "--resume"))  # at the same world size
     ok(_cli(*ARGS, *ep, "--set", "train.batch=4", "--out", str(one)))
@@ -156,12 +160,12 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in
 
 
 def test_expert_parallel_settings_are_checked():
-    r = plain("--quiet", "--set", "train.expert_parallel=2", "--steps", "2")  # cpu-tiny: 64 of 64 on the card
+    r = plain("--quiet", "--set", "train.expert_parallel=2", "--steps", "2")  # cpu-tiny: 16 of 16 on the card
     assert r.returncode == 2 and "train.expert_parallel = 2 needs a multiple of 2 ranks under torchrun" in r.stderr
     r = plain("--quiet", "--profile", "cpu-small", "--set", "train.expert_parallel=2")
     assert r.returncode == 2 and "model.n_slots (32) must equal model.n_pool (48)" in r.stderr
     r = plain("--quiet", "--set", "train.expert_parallel=3")
-    assert r.returncode == 2 and "must divide model.n_pool (64)" in r.stderr
+    assert r.returncode == 2 and "must divide model.n_pool (16)" in r.stderr
 
 
 def test_a_resumed_run_checks_the_commands_layout_against_the_saved_model(tmp_path):

@@ -210,3 +210,43 @@ def test_trains_under_bfloat16_autocast(path, balance):
         out = model(idx, idx)
     out.loss.backward()
     assert torch.isfinite(out.loss.detach()) and model.pool.w_in.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_gates_all_are_the_whole_cards_softmax_and_teach_the_router(top_k):
+    from minagi.pool import PooledMLP
+
+    torch.manual_seed(0)
+    chosen = PooledMLP(16, 24, 6, top_k).double()
+    every = PooledMLP(16, 24, 6, top_k, gates="all").double()
+    every.load_state_dict(chosen.state_dict())
+    x = torch.randn(40, 16, dtype=torch.float64)
+    logits = x @ chosen.router.t()
+    idx_c, g_c = chosen.route(x, chosen.router, 40)
+    idx_a, g_a = every.route(x, every.router, 40)
+    assert torch.equal(idx_c, idx_a)  # the same choice; only the gates differ
+    assert_close(g_c, torch.softmax(logits.gather(1, idx_c), -1), dtype=torch.float32)  # the op: float32
+    assert_close(g_a, torch.softmax(logits, -1).gather(1, idx_a))
+    assert bool((g_a.sum(1) < 1).all())
+    every(x).pow(2).sum().backward()
+    chosen(x).pow(2).sum().backward()
+    assert every.router.grad.abs().sum() > 0
+    # With top_k = 1 the chosen gate is 1: the loss never reaches the router.
+    assert (chosen.router.grad.abs().sum() == 0) == (top_k == 1)
+
+
+def test_gates_all_with_one_slot_is_the_dense_mlp():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, d_hidden=24, n_pool=1, n_slots=1, top_k=1, balance="none")
+    a = ByteModel(cfg, 16).double()
+    b = ByteModel(ModelConfig(**{**cfg.__dict__, "gates": "all"}), 16).double()
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 256, (2, 16))
+    assert_close(a(idx).logits, b(idx).logits)
+
+
+def test_gates_setting_is_checked():
+    from minagi.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match="model.gates must be chosen or all"):
+        load("cpu-tiny", ["model.gates=some"])

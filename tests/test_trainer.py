@@ -112,7 +112,7 @@ def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path):
     (["--profile", "cpu-tinny"], "unknown profile 'cpu-tinny' (did you mean cpu-tiny"),
     (["--set", "model.top_kk=3"], "unknown key model.top_kk in --set (did you mean top_k"),
     (["--set", "model.top_k=three"], "model.top_k (from --set) must be an int, got 'three'"),
-    (["--set", "model.top_k=99"], "model.top_k (99) must be in [1, model.n_slots = 64]"),
+    (["--set", "model.top_k=99"], "model.top_k (99) must be in [1, model.n_slots = 16]"),
     (["--set", "modle.top_k=2"], "unknown section 'modle'"),
     (["--set", "top_k"], "--set takes section.key=value"),
     (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file or folder"),

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.d_hidden=48"]
 
 
-@pytest.mark.parametrize("profile", ["cpu-tiny", "cpu-small", "strix-large"])
+@pytest.mark.parametrize("profile", ["cpu-tiny", "cpu-small", "strix-small", "strix-large"])
 def test_pool_twin_has_the_same_active_width_and_cost(profile):
     cfg = load(profile, [])
     twin = dense_twin(cfg).model

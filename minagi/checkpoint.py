@@ -50,14 +50,24 @@ def check_writable(out_dir) -> None:
                               f"{exc.strerror or exc}); choose another --out, or fix its permissions") from None
 
 
-def put(ckpt: dict, key: str, t: torch.Tensor) -> None:
-    """Place a shard folder's tensor in the checkpoint: "model/NAME" is a model state entry,
-    "optimizer/I/NAME" the entry NAME of the optimizer state of parameter I."""
-    part, *rest = key.split("/")
-    if part == "model":
-        ckpt["model"][rest[0]] = t
-    else:
-        ckpt["optimizer"]["state"].setdefault(int(rest[0]), {})[rest[1]] = t
+def placed(ckpt: dict, tensors: dict) -> dict:
+    """A copy of the checkpoint with a shard folder's tensors in place (the input is left as it
+    was): "model/NAME" is a model state entry, "optimizer/I/NAME" the entry NAME of the optimizer
+    state of parameter I."""
+    ckpt = dict(ckpt, model=dict(ckpt["model"]), optimizer=dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"])))
+    for key, t in tensors.items():
+        part, *rest = key.split("/")
+        if part == "model":
+            ckpt["model"][rest[0]] = t
+        else:
+            ckpt["optimizer"]["state"].setdefault(int(rest[0]), {})[rest[1]] = t
+    return ckpt
+
+
+def nonfinite_error(where, bad: list) -> CheckpointError:
+    return CheckpointError(f"{where} holds non-finite weights ({len(bad)} tensors with NaN or inf, e.g. "
+                           f"{', '.join(bad[:3])}): it was saved by a run that diverged. Train again "
+                           "(with a lower train.lr), or use an earlier checkpoint")
 
 
 def shard_folder(path: Path, ckpt: dict) -> Path:
@@ -81,9 +91,7 @@ def read_experts(path: Path, ckpt: dict) -> dict:
             dcp.load(whole, checkpoint_id=folder, no_dist=True)
     except Exception as exc:
         raise CheckpointError(f"the expert shards in {folder} cannot be read ({type(exc).__name__}: {exc})") from exc
-    ckpt = dict(ckpt, model=dict(ckpt["model"]), optimizer=dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"])))
-    for k, t in whole.items():
-        put(ckpt, k, t)
+    ckpt = placed(ckpt, whole)
     del ckpt["experts"]
     return ckpt
 
@@ -120,7 +128,5 @@ def load(run_dir, map_location="cpu", require_finite: bool = True, experts: bool
 
         bad = nonfinite(ckpt["model"].items())
         if bad:
-            raise CheckpointError(f"{path} holds non-finite weights ({len(bad)} tensors with NaN or inf, e.g. "
-                                  f"{', '.join(bad[:3])}): it was saved by a run that diverged. Train again "
-                                  "(with a lower train.lr), or use an earlier checkpoint")
+            raise nonfinite_error(path, bad)
     return ckpt

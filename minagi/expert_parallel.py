@@ -181,7 +181,7 @@ class ExpertParallel:
         return self.mesh
 
     def _shards(self, model, opt) -> dict:
-        """This rank's expert tensors by checkpoint key (checkpoint.put): the weights, and their
+        """This rank's expert tensors by checkpoint key (checkpoint.placed): the weights, and their
         optimizer state (moments, and the per-expert step counts)."""
         out = {f"model/{k}": t for k, t in model.state_dict().items() if k in SHARDED}
         flat = [p for g in opt.param_groups for p in g["params"]]
@@ -238,22 +238,20 @@ class ExpertParallel:
         mine = {k: self._as_dtensor(torch.empty((n, *shape[1:]), dtype=getattr(torch, dtype), device=model.pool.w_in.device))
                 for k, (shape, dtype) in ckpt["experts"]["tensors"].items()}
         dcp.load(mine, checkpoint_id=folder)
-        ckpt = dict(ckpt, model=dict(ckpt["model"]), optimizer=dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"])))
-        for k, t in mine.items():
-            checkpoint.put(ckpt, k, t.to_local())
-        self._check_finite(mine)
-        return ckpt
+        local = {k: t.to_local() for k, t in mine.items()}
+        self._check_finite(folder, local)
+        return checkpoint.placed(ckpt, local)
 
-    def _check_finite(self, mine: dict) -> None:
+    def _check_finite(self, folder: Path, local: dict) -> None:
         """Every rank hears of a non-finite shard (a rank that raised alone would leave the
         others waiting in their next collective)."""
-        local = [t.to_local() for t in mine.values()]
-        bad = torch.stack([~t.isfinite().all() for t in local]).sum().float().reshape(1) if local else torch.zeros(1)
-        dist.all_reduce(bad)
-        if bad.item():
-            raise checkpoint.CheckpointError("the checkpoint's expert shards hold non-finite values: it was saved by a "
-                                             "run that diverged. Train again (with a lower train.lr), or use an "
-                                             "earlier checkpoint")
+        from .guard import nonfinite
+
+        bad = nonfinite(local.items())
+        count = torch.tensor([float(len(bad))], device=next(iter(local.values())).device)
+        dist.all_reduce(count)
+        if count.item():
+            raise checkpoint.nonfinite_error(folder, bad or ["a shard read by another rank"])
 
     def _cut(self, ckpt: dict, model, opt) -> dict:
         """A checkpoint of the whole pool cut down to this rank's shard."""

@@ -57,6 +57,9 @@ class TrainConfig:
     min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
     warmup: int = 30
     weight_decay: float = 0.1
+    # The pool's learning rate is lr x pool_lr_scale: each expert sees only its share of the
+    # characters (about top_k / n_pool), so it may want a different step than the shared weights.
+    pool_lr_scale: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
@@ -237,6 +240,7 @@ def validate(cfg: Config) -> None:
         (m.dispatch in ("auto", "rectangle", "grouped", "compiled"), f"model.dispatch must be auto, rectangle, grouped or compiled, got {m.dispatch!r}"),
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr_frac <= 1, "train.lr must be > 0 and train.min_lr_frac in [0, 1]"),
+        (t.pool_lr_scale > 0, f"train.pool_lr_scale must be > 0 (the pool's lr is lr x it), got {t.pool_lr_scale}"),
         (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),
         (t.grad_accum >= 1, "train.grad_accum must be >= 1 (micro-batches per optimizer step)"),
         (t.dist_timeout > 0, "train.dist_timeout must be > 0 (seconds)"),

@@ -332,9 +332,10 @@ class ByteModel(nn.Module):
         """Log-probabilities [B, T, 256] of each next byte, from a full forward pass."""
         return torch.log_softmax(self(idx_BT).logits.float(), dim=-1)
 
-    def param_groups(self, weight_decay: float):
+    def param_groups(self, weight_decay: float, pool_lr: float | None = None):
         """AdamW groups: matrices decay, norms / biases / row embeddings do not; the pool's
-        tensors are marked so the optimizer touches only the experts that were on the card."""
+        tensors are marked so the optimizer touches only the experts that were on the card, and
+        take pool_lr where it is given (else the optimizer's lr)."""
         pool_ids = {id(p) for p in self.pool.parameters()}
         decay, no_decay = [], []
         for name, p in self.named_parameters():
@@ -344,7 +345,8 @@ class ByteModel(nn.Module):
         return [
             {"params": decay, "weight_decay": weight_decay, "pool": False},
             {"params": no_decay, "weight_decay": 0.0, "pool": False},
-            {"params": list(self.pool.parameters()), "weight_decay": weight_decay, "pool": True},
+            {"params": list(self.pool.parameters()), "weight_decay": weight_decay, "pool": True,
+             **({} if pool_lr is None else {"lr": pool_lr})},
         ]
 
 

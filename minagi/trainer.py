@@ -61,7 +61,8 @@ def build(cfg: Config, device: torch.device, ep: ExpertParallel | None = None):
         ep.shard(model)
     if cfg.model.pool_device:
         model.pool.to(torch.device(cfg.model.pool_device))
-    opt = PoolAdamW(model.param_groups(cfg.train.weight_decay), model.pool, lr=cfg.train.lr,
+    pool_lr = cfg.train.lr * cfg.train.pool_lr_scale
+    opt = PoolAdamW(model.param_groups(cfg.train.weight_decay, pool_lr), model.pool, lr=cfg.train.lr,
                     betas=(cfg.train.beta1, cfg.train.beta2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return model, opt, sched

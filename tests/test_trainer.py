@@ -12,7 +12,7 @@ import torch
 from minagi import checkpoint
 from minagi.config import ConfigError, load
 from minagi.data import DataError, load_corpus
-from minagi.trainer import train
+from minagi.trainer import build, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=4",
@@ -168,3 +168,17 @@ def test_pool_in_host_memory_trains(tmp_path, text_file):
     train(cfg, tmp_path, progress=False)
     ckpt = checkpoint.load(tmp_path)
     assert ckpt["config"]["model"]["pool_device"] == "cpu" and ckpt["model"]["pool.w_in"].device.type == "cpu"
+
+
+def test_pool_lr_scale_sets_the_pools_step_and_follows_the_schedule():
+    cfg = load("cpu-tiny", [*TINY, "train.pool_lr_scale=2.5", "train.warmup=4"])
+    model, opt, sched = build(cfg, torch.device("cpu"))
+    pool_ids = {id(p) for p in model.pool.parameters()}
+    lrs = {g["pool"]: g["lr"] for g in opt.param_groups}
+    assert all((id(p) in pool_ids) == g["pool"] for g in opt.param_groups for p in g["params"])
+    assert lrs[True] == pytest.approx(2.5 * lrs[False])
+    sched.step()  # warmup: both move by the same factor, the ratio stays
+    lrs = {g["pool"]: g["lr"] for g in opt.param_groups}
+    assert lrs[False] == pytest.approx(cfg.train.lr * 2 / 4) and lrs[True] == pytest.approx(2.5 * lrs[False])
+    with pytest.raises(ConfigError, match="train.pool_lr_scale must be > 0"):
+        load("cpu-tiny", ["train.pool_lr_scale=0"])

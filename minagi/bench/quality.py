@@ -172,7 +172,7 @@ def run_minagi(corpus, seconds, cfg: Config, log, name="minagi"):
 
     def set_factor(f):
         for g in opt.param_groups:
-            g["lr"] = cfg.train.lr * f
+            g["lr"] = g["initial_lr"] * f  # the pool group's base lr may differ (train.pool_lr_scale)
 
     steps, secs = _train_for(seconds, step_fn, set_factor, cfg.train.warmup, cfg.train.min_lr_frac, log, name)
     return model.eval(), steps, secs, cfg.data.context

@@ -58,7 +58,7 @@ class TrainConfig:
     warmup: int = 30
     weight_decay: float = 0.1
     # The pool's learning rate is lr x pool_lr_scale: each expert sees only its share of the
-    # characters (about top_k / n_pool), so it may want a different step than the shared weights.
+    # characters (about top_k / n_slots), so it may want a different step than the shared weights.
     pool_lr_scale: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.99

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .dispatch import expert_mlp
+from .guard import nonfinite
 
 
 # Bytes this process has sent to other ranks through the forward all_to_alls of rows (the
@@ -245,8 +246,6 @@ class ExpertParallel:
     def _check_finite(self, folder: Path, local: dict) -> None:
         """Every rank hears of a non-finite shard (a rank that raised alone would leave the
         others waiting in their next collective)."""
-        from .guard import nonfinite
-
         bad = nonfinite(local.items())
         count = torch.tensor([float(len(bad))], device=next(iter(local.values())).device)
         dist.all_reduce(count)

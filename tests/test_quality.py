@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi.bench.quality import MODELS, DenseGPT, dense_macs, dense_twin, minagi_macs, models
+from minagi.bench.quality import (DEFAULT_MODELS, MODELS, DenseGPT, dense_macs, dense_twin, minagi_macs, models,
+                                  wide_twin)
 from minagi.config import load
 from minagi.model import ByteModel
 
@@ -27,6 +28,19 @@ def test_pool_twin_has_the_same_active_width_and_cost(profile):
     assert all(getattr(twin, k) == getattr(m, k) for k in same)
     ratio = minagi_macs(twin, cfg.data.context) / minagi_macs(m, cfg.data.context)
     assert 0.95 <= ratio <= 1.05, ratio
+
+
+def test_wide_twin_holds_the_whole_pool_in_one_mlp():
+    cfg = load("cpu-tiny", [])
+    m, wide = cfg.model, wide_twin(cfg).model
+    assert (wide.n_pool, wide.n_slots, wide.top_k, wide.d_hidden) == (1, 1, 1, m.n_pool * m.d_hidden)
+    pool, one = ByteModel(m, 16).pool, ByteModel(wide, 16).pool
+    # The same expert parameters, all in one MLP that every character uses.
+    assert one.w_in.numel() + one.w_out.numel() == pool.w_in.numel() + pool.w_out.numel()
+    mlp = lambda c: c.max_rows * 2 * c.d_model * c.d_hidden * c.top_k  # noqa: E731
+    extra = minagi_macs(wide, 128) - minagi_macs(m, 128)
+    assert extra == mlp(wide) - mlp(m) - (m.max_rows + 1) * (m.n_slots - 1) * m.d_model  # the routers drop out
+    assert "minagi-wide" in MODELS and "minagi-wide" not in DEFAULT_MODELS
 
 
 def test_macs_are_counted_from_the_shapes():
@@ -77,17 +91,28 @@ def test_bench_quality_models_seconds_and_data(tmp_path):
     for i in range(40):  # a hash split by file: some fall on the held-out side
         (corpus / f"f{i}.txt").write_text(f"line {i}: the quick brown fox jumps over the lazy dog.\n" * 30)
     out = tmp_path / "q.json"
-    r = _bench("--seconds", "1.5", "--models", "minagi-dense,dense-ngram,minagi", "--eval-bytes", "2000",
+    r = _bench("--seconds", "3", "--models", "minagi-dense,dense-ngram,minagi", "--eval-bytes", "2000",
                "--data", str(corpus), "--json", str(out), *TINY)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert list(data["results"]) == ["dense-ngram", "minagi-dense", "minagi"]  # in the bench's order
-    assert data["seconds"] == 1.5 and str(corpus) in data["data"]
+    assert data["seconds"] == 3 and str(corpus) in data["data"]
     for v in data["results"].values():
-        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 2 and 1.5 <= v["seconds"] < 30
+        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 2 and 3 <= v["seconds"] < 60
         assert v["macs_per_char"] > 0
     assert set(data["gaps"]) == {"dense-ngram", "minagi-dense"}
     assert "bits per byte" in r.stdout and "minagi ahead by" in r.stdout
+
+
+def test_bench_quality_equal_steps(tmp_path):
+    out = tmp_path / "q.json"
+    r = _bench("--steps", "3", "--models", "minagi-wide,minagi", "--eval-bytes", "500", "--json", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["steps"] == 3 and data["seconds"] is None
+    assert [v["steps"] for v in data["results"].values()] == [3, 3]
+    assert set(data["gaps"]) == {"minagi-wide"} and "3 steps each" in r.stdout
+    assert "target" not in r.stdout.split("held-out bits per byte on")[1]  # targets are for equal wall-clock
 
 
 def test_bench_quality_rejects_unknown_models():

@@ -9,11 +9,19 @@ at equal wall-clock.
                  width (one expert, top_k = 1, d_hidden = top_k x the profile's): the same
                  rows, inputs and multiply-adds per character; what the pool itself is worth
   minagi         the profile
+  minagi-wide    (only when named in --models) minagi's model with one dense MLP as wide as the
+                 whole pool (d_hidden = n_pool x the profile's): every character uses all of the
+                 pool's parameters, at n_pool / top_k times the MLP's multiply-adds. Per step, a
+                 ceiling on what the pool's parameters can hold; with --steps it shows whether
+                 more MLP capacity helps at all
 
 Each trains for the same seconds on the corpus's training split (warmup, then cosine over the
 rest of the time budget), then all are scored on the same held-out bytes, every byte predicted
-with as much context as the model's window allows. Figures are bits per byte (minagi models
-bytes: not comparable with a character-level model's bits per character).
+with as much context as the model's window allows. --steps N trains each for N optimizer steps
+instead (warmup, then cosine over the steps): equal steps measure what a step learns, apart
+from its speed; the targets are for equal wall-clock and are not judged then. Figures are bits
+per byte (minagi models bytes: not comparable with a character-level model's bits per
+character).
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +41,8 @@ from ..evaluate import bits_per_byte
 from ..model import NO_BYTE, VOCAB, ngram_codes
 from ..trainer import build
 
-MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi")
+MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi", "minagi-wide")
+DEFAULT_MODELS = MODELS[:4]  # minagi-wide costs n_pool / top_k times the MLP: only on request
 # How far ahead of each the profile must be, in bits per byte.
 TARGETS = {"dense": 0.15, "dense-ngram": 0.10, "minagi-dense": 0.10}
 
@@ -101,27 +110,50 @@ def minagi_macs(m: ModelConfig, context: int) -> float:
     return m.max_rows * per_row + m.n_pool * D + D * VOCAB
 
 
-def dense_twin(cfg: Config) -> Config:
-    """The profile with its pool replaced by one dense MLP of the same active width: one expert
-    always chosen (top_k = 1), d_hidden = top_k x the profile's; no balance term (one expert has
-    nothing to balance)."""
-    m = cfg.model
-    model = replace(m, n_pool=1, n_slots=1, top_k=1, d_hidden=m.top_k * m.d_hidden, capacity_factor=0.0,
+def _one_mlp(cfg: Config, d_hidden: int) -> Config:
+    """The profile with its pool replaced by one dense MLP d_hidden wide: one expert always
+    chosen (top_k = 1); no balance term (one expert has nothing to balance)."""
+    model = replace(cfg.model, n_pool=1, n_slots=1, top_k=1, d_hidden=d_hidden, capacity_factor=0.0,
                     balance="none")
     return replace(cfg, model=model)
 
 
-def _train_for(seconds, step_fn, set_factor, warmup, min_frac, log, name):
-    """Train until the time is up: linear warmup over `warmup` steps, then cosine over the
-    remaining time (the schedule follows the clock, so neither model's is cut short or idles)."""
+def dense_twin(cfg: Config) -> Config:
+    """One dense MLP of the pool's active width: d_hidden = top_k x the profile's."""
+    return _one_mlp(cfg, cfg.model.top_k * cfg.model.d_hidden)
+
+
+def wide_twin(cfg: Config) -> Config:
+    """One dense MLP as wide as the whole pool (d_hidden = n_pool x the profile's): the pool's
+    parameters, every one used by every character."""
+    return _one_mlp(cfg, cfg.model.n_pool * cfg.model.d_hidden)
+
+
+@dataclass
+class Budget:
+    """How long each model trains: `seconds` of wall-clock, or `steps` optimizer steps if set."""
+    seconds: float = 300.0
+    steps: int = 0
+
+    def progress(self, step: int, elapsed: float) -> float:
+        return step / self.steps if self.steps else elapsed / self.seconds
+
+    def describe(self) -> str:
+        return f"{self.steps} steps" if self.steps else f"{self.seconds:.0f} s"
+
+
+def _train_for(budget: Budget, step_fn, set_factor, warmup, min_frac, log, name):
+    """Train until the budget is spent: linear warmup over `warmup` steps, then cosine over the
+    rest of the budget (with a time budget the schedule follows the clock, so neither model's
+    is cut short or idles)."""
     t0 = time.perf_counter()
-    step, loss = 0, float("nan")
-    while (elapsed := time.perf_counter() - t0) < seconds:
+    step, loss, p_warm = 0, float("nan"), 0.0
+    while (p := budget.progress(step, time.perf_counter() - t0)) < 1.0:
         if step < warmup:
             set_factor((step + 1) / warmup)
-            t_warm = elapsed
+            p_warm = p
         else:
-            progress = (elapsed - t_warm) / max(1e-9, seconds - t_warm)
+            progress = (p - p_warm) / max(1e-9, 1.0 - p_warm)
             set_factor(min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
         loss = step_fn()
         step += 1
@@ -130,7 +162,7 @@ def _train_for(seconds, step_fn, set_factor, warmup, min_frac, log, name):
     return step, time.perf_counter() - t0
 
 
-def run_dense(corpus, seconds, seed, log, ngram=0, ngram_buckets=0, name="dense"):
+def run_dense(corpus, budget, seed, log, ngram=0, ngram_buckets=0, name="dense"):
     torch.manual_seed(seed)
     model = DenseGPT(ngram=ngram, ngram_buckets=ngram_buckets)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("ngram_embed")]
@@ -152,11 +184,11 @@ def run_dense(corpus, seconds, seed, log, ngram=0, ngram_buckets=0, name="dense"
         for g in opt.param_groups:
             g["lr"] = 1e-3 * f
 
-    steps, secs = _train_for(seconds, step_fn, set_factor, 100, 0.1, log, name)
+    steps, secs = _train_for(budget, step_fn, set_factor, 100, 0.1, log, name)
     return model.eval(), steps, secs, model.context
 
 
-def run_minagi(corpus, seconds, cfg: Config, log, name="minagi"):
+def run_minagi(corpus, budget, cfg: Config, log, name="minagi"):
     model, opt, _ = build(cfg, torch.device("cpu"))
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed)
 
@@ -174,13 +206,13 @@ def run_minagi(corpus, seconds, cfg: Config, log, name="minagi"):
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * f  # the pool group's base lr may differ (train.pool_lr_scale)
 
-    steps, secs = _train_for(seconds, step_fn, set_factor, cfg.train.warmup, cfg.train.min_lr_frac, log, name)
+    steps, secs = _train_for(budget, step_fn, set_factor, cfg.train.warmup, cfg.train.min_lr_frac, log, name)
     return model.eval(), steps, secs, cfg.data.context
 
 
 def models(cfg: Config) -> dict:
     """Each model's configuration and multiply-adds per character: name -> (runner, macs, what)."""
-    m, twin = cfg.model, dense_twin(cfg)
+    m, twin, wide = cfg.model, dense_twin(cfg), wide_twin(cfg)
     return {
         "dense": (lambda c, s, log: run_dense(c, s, 1337, log), dense_macs(DenseGPT()), "nanoGPT CPU config"),
         "dense-ngram": (lambda c, s, log: run_dense(c, s, 1337, log, m.ngram, m.ngram_buckets, "dense-ngram"),
@@ -191,6 +223,9 @@ def models(cfg: Config) -> dict:
                          f"one dense MLP, d_hidden {twin.model.d_hidden}"),
         "minagi": (lambda c, s, log: run_minagi(c, s, cfg, log), minagi_macs(m, cfg.data.context),
                    f"{m.n_pool} experts, top_k {m.top_k}, d_hidden {m.d_hidden}"),
+        "minagi-wide": (lambda c, s, log: run_minagi(c, s, wide, log, "minagi-wide"),
+                        minagi_macs(wide.model, cfg.data.context),
+                        f"one dense MLP, d_hidden {wide.model.d_hidden} (the whole pool's width)"),
     }
 
 
@@ -207,7 +242,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minagi.bench quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=300.0, help="training wall-clock per model (default 300)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}, comma-separated")
+    p.add_argument("--steps", type=int, default=0,
+                   help="train each model for this many optimizer steps instead of --seconds (equal steps)")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"any of {', '.join(MODELS)}, comma-separated (default: all but minagi-wide)")
     p.add_argument("--data", default="", metavar="PATH",
                    help="a text file, folder or prepared corpus (default: the Python standard library's source)")
     p.add_argument("--profile", default="cpu-tiny")
@@ -217,8 +255,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
     names = parse_models(a.models)
-    if a.seconds <= 0 or a.eval_bytes <= 0:
-        p.error("--seconds and --eval-bytes must be positive")
+    if a.seconds <= 0 or a.eval_bytes <= 0 or a.steps < 0:
+        p.error("--seconds and --eval-bytes must be positive, --steps >= 0 (0: train for --seconds)")
+    budget = Budget(a.seconds, a.steps)
     cfg = load(a.profile, a.overrides)
     torch.set_num_threads(a.threads or torch.get_num_threads())
     corpus = load_corpus(a.data)
@@ -227,28 +266,30 @@ def main(argv=None) -> int:
     if not heldout.numel():
         p.error(f"--data {a.data}: the corpus has no held-out bytes to score")
     log = lambda m: print(m, flush=True)  # noqa: E731
-    log(f"minagi.bench quality: {a.seconds:.0f} s each, {torch.get_num_threads()} threads; {corpus.describe()}")
+    log(f"minagi.bench quality: {budget.describe()} each, {torch.get_num_threads()} threads; {corpus.describe()}")
     table = models(cfg)
     results = {}
     for name in names:
         run, macs, what = table[name]
-        model, steps, secs, context = run(corpus, a.seconds, log)
+        model, steps, secs, context = run(corpus, budget, log)
         bpb = bits_per_byte(model, heldout, context)
         results[name] = {"heldout_bits_per_byte": bpb, "steps": steps, "seconds": secs, "context": context,
                          "macs_per_char": macs, "config": what}
         log(f"{name}: {steps} steps in {secs:.0f} s, held-out {bpb:.3f} bits per byte")
-    log(f"\nheld-out bits per byte on {heldout.numel():,} bytes, {a.seconds:.0f} s each ({a.profile}):")
+    log(f"\nheld-out bits per byte on {heldout.numel():,} bytes, {budget.describe()} each ({a.profile}):")
     gaps = {}
     for name, r in results.items():
         line = f"  {name:<13} {r['heldout_bits_per_byte']:.3f}  {r['macs_per_char'] / 1e3:,.0f}k MACs/char  {r['config']}"
-        if name in TARGETS and "minagi" in results:
+        if name != "minagi" and "minagi" in results:
             gaps[name] = r["heldout_bits_per_byte"] - results["minagi"]["heldout_bits_per_byte"]
-            line += (f"  minagi ahead by {gaps[name]:.3f} (target >= {TARGETS[name]:.2f}: "
-                     f"{'met' if gaps[name] >= TARGETS[name] else 'NOT MET'})")
+            line += f"  minagi ahead by {gaps[name]:.3f}"
+            if name in TARGETS and not budget.steps:  # the targets are for equal wall-clock
+                line += f" (target >= {TARGETS[name]:.2f}: {'met' if gaps[name] >= TARGETS[name] else 'NOT MET'})"
         log(line)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"results": results, "gaps": gaps, "targets": TARGETS, "seconds": a.seconds,
+            json.dump({"results": results, "gaps": gaps, "targets": TARGETS,
+                       "seconds": None if budget.steps else a.seconds, "steps": budget.steps or None,
                        "profile": a.profile, "overrides": a.overrides, "data": corpus.describe(),
                        "eval_bytes": heldout.numel(), "threads": torch.get_num_threads()}, f, indent=2)
     return 0

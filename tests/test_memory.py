@@ -143,7 +143,7 @@ def test_soak_report_needs_samples():
 
 def test_soak_command_writes_json_and_png(tmp_path):
     pytest.importorskip("matplotlib")
-    r = run_bench("soak", "--minutes", "0.1", "--every", "1", "--out", tmp_path,
+    r = run_bench("soak", "--minutes", "0.25", "--every", "1", "--out", tmp_path,
                   overrides=(*BENCH_TINY, "model.ngram=1", "train.eval_every=5", "train.checkpoint_every=10"))
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "soak.json").read_text())

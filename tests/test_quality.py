@@ -98,7 +98,7 @@ def test_bench_quality_models_seconds_and_data(tmp_path):
     assert list(data["results"]) == ["dense-ngram", "minagi-dense", "minagi"]  # in the bench's order
     assert data["seconds"] == 3 and str(corpus) in data["data"]
     for v in data["results"].values():
-        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 2 and 3 <= v["seconds"] < 60
+        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 1 and 3 <= v["seconds"] < 60
         assert v["macs_per_char"] > 0
     assert set(data["gaps"]) == {"dense-ngram", "minagi-dense"}
     assert "bits per byte" in r.stdout and "minagi ahead by" in r.stdout

@@ -1,5 +1,6 @@
-"""Data parallelism under torchrun (2 ranks, gloo, one thread each, a free port: --standalone
-rendezvous on port 0, train.dist_timeout on every collective): ranks against one process with the
+"""Data parallelism under torchrun (2 ranks, 4 for expert parallelism in two groups; gloo, one
+thread each, a free port: --standalone rendezvous on port 0, train.dist_timeout on every
+collective): ranks against one process with the
 global batch and with gradient accumulation, a card smaller than the pool, an expert with no
 character on one rank, replicas checked, SIGTERM and resume, a distributed checkpoint in one
 process, a rank that dies."""
@@ -26,9 +27,9 @@ ARGS = [*sum((["--set", s] for s in TINY if not s.startswith("train.batch")), []
         "--set", "train.checkpoint_every=4", "--set", "train.eval_every=4", "--set", "train.threads=1"]
 
 
-def torchrun(*args, script="train.py", env_extra=None, timeout=300):
+def torchrun(*args, script="train.py", env_extra=None, timeout=300, nproc=2):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
 
@@ -157,6 +158,29 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in
     assert float(e.stdout.split()[-1]) > 0
     again = ok(plain(*ARGS, "--set", "train.batch=2", "--out", str(tmp_path / "copy"), "--resume"))  # one process
     assert "saved by 2 rank(s), this run has 1" in again.stderr and "done: step 8" in again.stdout
+
+
+def test_expert_parallel_in_two_groups_equals_one_process_and_reshards_on_resume(tmp_path):
+    """4 ranks, E = 2: two expert-parallel groups, each shard held by a data-parallel pair (its
+    gradient averaged over the pair, written once through Replicate), stopped by SIGTERM on rank 3
+    and resumed: equal to one process. The stopped checkpoint also resumes on 2 ranks, with E = 2
+    (one group: DCP reads each rank's rows) and with plain DDP (the pool read whole), alike."""
+    ep = ["--set", "model.n_slots=6", "--set", "model.ngram=1"]
+    four, one = tmp_path / "four", tmp_path / "one"
+    e2 = ["--set", "train.expert_parallel=2"]
+    stopped = torchrun("6", "TERM", "--quiet", *ARGS, *ep, "--set", "train.batch=1", *e2, "--out", str(four),
+                       script="tests/signal_at_step.py", env_extra={"SIGNAL_RANK": "3"}, nproc=4)
+    assert "stopped by SIGTERM at step 6" in stopped.stderr, stopped.stderr[-2000:]
+    assert torch.load(four / "checkpoint.pt")["world"] == 4
+    for name in ("ep2", "ddp"):
+        shutil.copytree(four, tmp_path / name)
+    ok(torchrun("--quiet", *ARGS, *ep, *e2, "--out", str(four), "--resume", nproc=4))
+    ok(_cli(*ARGS, *ep, "--set", "train.batch=4", "--out", str(one)))
+    assert_same_weights(one, four, rel=1e-5)
+    for name, launch in (("ep2", e2), ("ddp", [])):  # the saved batch, 1 per rank: both go on from step 6 alike
+        proc = ok(torchrun(*ARGS, *ep, *launch, "--out", str(tmp_path / name), "--resume"))
+        assert "saved by 4 rank(s), this run has 2" in proc.stderr and "done: step 8" in proc.stdout
+    assert_same_weights(tmp_path / "ep2", tmp_path / "ddp", rel=1e-5)
 
 
 def test_expert_parallel_settings_are_checked():

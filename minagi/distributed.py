@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -74,9 +75,20 @@ def start(device_type: str, timeout_s: float) -> Dist:
     return d
 
 
+# How long stop() leaves the GIL free for gloo's worker threads (see there).
+DRAIN_S = 0.25
+
+
 def stop(d: Dist) -> None:
+    """Ends this rank's process groups. destroy_process_group does not join gloo's worker threads
+    (torch 2.13): the group's destructor does, later, wherever its last reference goes (the DDP
+    reducer's, when the model is freed), with the GIL held. A worker still releasing a finished
+    collective's tensors needs the GIL to drop their Python objects, so that join never returned
+    (a hang after "done", once in 3 runs on a loaded 2-core machine; at interpreter exit, the
+    same release aborts the process). The pause, with the GIL free, lets the workers finish."""
     if d.active and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        time.sleep(DRAIN_S)
 
 
 def threads(setting: int, d: Dist) -> int:

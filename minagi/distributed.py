@@ -80,15 +80,18 @@ DRAIN_S = 0.25
 
 
 def stop(d: Dist) -> None:
-    """Ends this rank's process groups. destroy_process_group does not join gloo's worker threads
-    (torch 2.13): the group's destructor does, later, wherever its last reference goes (the DDP
-    reducer's, when the model is freed), with the GIL held. A worker still releasing a finished
+    """Ends this rank's process groups, after every collective has returned. A gloo group's
+    worker threads are joined (torch 2.13) by its destructor, wherever its last reference goes:
+    in destroy_process_group, or later (the DDP reducer's, when the model is freed), always with
+    the GIL held; shutdown() does not join them. A worker still releasing a finished
     collective's tensors needs the GIL to drop their Python objects, so that join never returned
-    (a hang after "done", once in 3 runs on a loaded 2-core machine; at interpreter exit, the
-    same release aborts the process). The pause, with the GIL free, lets the workers finish."""
+    (a finished run hung at exit in 2 of 4 runs on a loaded 2-core machine; at interpreter exit
+    the same release aborts the process). The pause first, with the GIL free, lets the workers
+    finish; nothing after it gives them new work."""
     if d.active and torch.distributed.is_initialized():
+        if torch.distributed.get_backend() == "gloo":
+            time.sleep(DRAIN_S)
         torch.distributed.destroy_process_group()
-        time.sleep(DRAIN_S)
 
 
 def threads(setting: int, d: Dist) -> int:

@@ -304,7 +304,7 @@ class Run:
 
 def _start(cfg: Config, out_dir: Path, resume: bool):
     """The run, its window and corpus-derived held-out chunks, and the settings this command gave
-    that a resumed run ignores."""
+    that a resumed run ignores. A start that fails once the process groups exist ends them."""
     checkpoint.check_writable(out_dir)
     # Under expert parallelism each rank reads only its experts (Run.restore).
     ckpt = checkpoint.load(out_dir, require_finite=True, experts=cfg.train.expert_parallel == 1) if resume else None
@@ -320,6 +320,16 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
         cfg = saved
     device = resolve_device(cfg.train.device)
     dist = distributed.start(device.type, cfg.train.dist_timeout)
+    try:
+        return (*_build_run(cfg, out_dir, ckpt, device, dist), ignored)
+    except BaseException:
+        distributed.stop(dist)
+        raise
+
+
+def _build_run(cfg: Config, out_dir: Path, ckpt: dict | None, device: torch.device, dist):
+    """The run on this device and ranks (restored from ckpt where there is one), its window, its
+    held-out chunks and the corpus."""
     if dist.active and device.type == "cuda":
         device = torch.device("cuda", dist.local_rank)
     torch.set_num_threads(distributed.threads(cfg.train.threads, dist))
@@ -343,7 +353,7 @@ def _start(cfg: Config, out_dir: Path, resume: bool):
     # After the restore: DDP starts from these weights. The expert shards stay out of it.
     run.engine = distributed.wrap(model, dist, device, ignore=ep.expert_names if ep else ())
     heldout = fixed_chunks(corpus.heldout, cfg.data.context, cfg.train.eval_chunks, cfg.train.seed + 1)
-    return run, window, heldout, corpus, ignored
+    return run, window, heldout, corpus
 
 
 def _expert_parallel(cfg: Config, dist) -> ExpertParallel | None:

@@ -1,5 +1,5 @@
 """Data-parallel cases run by tests/test_distributed.py under torchrun (2 ranks, gloo, one thread):
-`torchrun --standalone --nproc-per-node 2 tests/dist_worker.py CASE OUT`. Each rank checks the
+`torchrun --standalone --nproc-per-node 2 tests/dist_worker.py CASE OUT` (4 for ep-grads). Each rank checks the
 DDP model against a one-process oracle it computes itself, and writes OUT/rank{R}.json.
 
 Cases:
@@ -15,6 +15,8 @@ Cases:
            expert 0 (a sink), or all of both ranks' to rank 0's experts (rank 1 receives nothing).
            Outputs, the gradients of x and the gates, and each rank's expert weight gradients
            equal one process's expert_mlp with the whole pool over both ranks' characters.
+  ep-grads - 4 ranks, E = 2: two expert-parallel groups; DDP's and the expert shards' gradients
+           (reduce_grads over each data-parallel pair) equal one process's on all four batches.
   ep-rows - the model with its pool sharded and halting on: rank 0's characters stop after one row,
            rank 1's go on; both ranks still meet in every row, and the logits equal one process's.
 """
@@ -155,6 +157,29 @@ def case_ep(d, routing):
     return {"max_err": err}
 
 
+def case_ep_grads(d):
+    """4 ranks, E = 2 (two groups of two): DDP's gradients, and each expert shard's (averaged over
+    its data-parallel pair by reduce_grads), equal one process's on the four batches as one."""
+    from minagi.expert_parallel import ExpertParallel
+
+    cfg = ModelConfig(d_model=32, n_heads=2, d_hidden=48, max_rows=3, n_pool=6, n_slots=6, top_k=2, balance="none")
+    torch.manual_seed(0)
+    model = ByteModel(cfg, T)
+    oracle = copy.deepcopy(model)
+    ep = ExpertParallel(d.world, 2)
+    ep.shard(model)
+    engine = distributed.wrap(model, d, torch.device("cpu"), ignore=ep.expert_names)
+    batches = [batch(s) for s in range(11, 11 + d.world)]
+    engine(*batches[d.rank]).loss.backward()
+    ep.reduce_grads(model)
+    oracle(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])).loss.backward()
+    want = grads(oracle)
+    n = model.pool.w_in.shape[0]
+    for name in ep.expert_names:  # this rank's experts of the whole pool's gradient
+        want[name] = want[name][ep.rank * n:(ep.rank + 1) * n]
+    return {"max_err": compare(grads(model), want)}
+
+
 def case_ep_rows(d):
     """Expert parallelism in the model with halting: ranks whose characters halt after different
     rows still meet in every row's all_to_all; logits equal one process's on both batches."""
@@ -183,8 +208,8 @@ if __name__ == "__main__":
     case, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     d = distributed.start("cpu", timeout_s=60)
-    if case == "ep-rows":
-        (out / f"rank{d.rank}.json").write_text(json.dumps(case_ep_rows(d)))
+    if case in ("ep-rows", "ep-grads"):
+        (out / f"rank{d.rank}.json").write_text(json.dumps({"ep-rows": case_ep_rows, "ep-grads": case_ep_grads}[case](d)))
         distributed.stop(d)
         sys.exit(0)
     if case.startswith("ep-"):

@@ -116,6 +116,13 @@ def test_expert_parallel_dispatch_equals_one_process(tmp_path, routing):
     assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["max_err"] < 1e-9 for r in (0, 1))
 
 
+def test_expert_parallel_gradients_in_two_groups_equal_one_process(tmp_path):
+    """4 ranks, E = 2: each expert shard's gradient averaged over the two ranks that hold it (and
+    DDP's over all four) equals one process's gradient of the global batch's mean loss."""
+    ok(torchrun("ep-grads", str(tmp_path), script="tests/dist_worker.py", nproc=4))
+    assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["max_err"] < 1e-5 for r in range(4))
+
+
 def test_expert_parallel_ranks_meet_in_every_row_when_their_characters_halt_apart(tmp_path):
     ok(torchrun("ep-rows", str(tmp_path), script="tests/dist_worker.py", timeout=120))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -1,6 +1,7 @@
-"""Data-parallel cases run by tests/test_distributed.py under torchrun (2 ranks, gloo, one thread):
-`torchrun --standalone --nproc-per-node 2 tests/dist_worker.py CASE OUT` (4 for ep-grads). Each rank checks the
-DDP model against a one-process oracle it computes itself, and writes OUT/rank{R}.json.
+"""Data-parallel cases run by tests/test_distributed.py under torchrun (2 ranks, 4 for ep-grads;
+gloo, one thread): `torchrun --standalone --nproc-per-node 2 tests/dist_worker.py CASE OUT`. Each
+rank checks the DDP model against a one-process oracle it computes itself, and writes
+OUT/rank{R}.json.
 
 Cases:
   empty  - rank 1 routes every character to slots 0 and 1 (a routing bias of 1e4 on them: the
@@ -208,12 +209,10 @@ if __name__ == "__main__":
     case, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     d = distributed.start("cpu", timeout_s=60)
-    if case in ("ep-rows", "ep-grads"):
-        (out / f"rank{d.rank}.json").write_text(json.dumps({"ep-rows": case_ep_rows, "ep-grads": case_ep_grads}[case](d)))
-        distributed.stop(d)
-        sys.exit(0)
     if case.startswith("ep-"):
-        (out / f"rank{d.rank}.json").write_text(json.dumps(case_ep(d, case[3:])))
+        own = {"ep-rows": case_ep_rows, "ep-grads": case_ep_grads}
+        result = own[case](d) if case in own else case_ep(d, case[3:])
+        (out / f"rank{d.rank}.json").write_text(json.dumps(result))
         distributed.stop(d)
         sys.exit(0)
     small = dict(d_model=32, n_heads=2, d_hidden=48, max_rows=3)

@@ -1,9 +1,8 @@
 """Data parallelism under torchrun (2 ranks, 4 for expert parallelism in two groups; gloo, one
 thread each, a free port: --standalone rendezvous on port 0, train.dist_timeout on every
-collective): ranks against one process with the
-global batch and with gradient accumulation, a card smaller than the pool, an expert with no
-character on one rank, replicas checked, SIGTERM and resume, a distributed checkpoint in one
-process, a rank that dies."""
+collective): ranks against one process with the global batch and with gradient accumulation, a
+card smaller than the pool, an expert with no character on one rank, replicas checked, SIGTERM
+and resume, a distributed checkpoint in one process, a rank that dies."""
 import json
 import os
 import shutil

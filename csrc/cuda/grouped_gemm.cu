@@ -5,18 +5,18 @@
 // returns it there, so this adds no synchronisation.
 //
 // Decoding (a handful of rows per slot: one character puts one row in each of its top_k slots)
-// takes a kernel of its own that reads each listed slot's weights in place, once, like the
-// CPU's small_rows_mm: the gather + bmm would read every weight, write a copy and read it again.
+// takes a kernel of its own (grouped_gemm_kernels.cuh) that reads each listed slot's weights in
+// place, once, like the CPU's small_rows_mm: the gather + bmm would read every weight, write a
+// copy and read it again.
 #include <torch/library.h>
 
 #include <vector>
 
+#include "grouped_gemm_kernels.cuh"
 #include "launch.cuh"
 
 namespace minagi {
 namespace {
-
-constexpr int64_t kSmallRows = 4;  // rows per slot up to which the in-place kernel runs (as on the CPU)
 
 struct Group {
   int64_t slot0, slots, rows, row0;  // first listed slot, how many, rows each, first buffer row
@@ -49,40 +49,11 @@ std::vector<Group> host_groups(const at::Tensor& slot_ids, const at::Tensor& slo
   return groups;
 }
 
-// out[row0[i] + r] = a[row0[i] + r] @ b[slot_ids[i]] for r < nrows[i] <= kSmallRows: block (x, i)
-// computes kThreads output columns of listed slot i, each thread reading its column of the
-// slot's weights once, in place (coalesced across the block), accumulating in opmath (fp32 for
-// bf16 / fp16).
-template <typename scalar_t>
-__global__ void small_rows_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, int64_t b_s0,
-                                  int64_t b_s1, int64_t b_s2, const int64_t* __restrict__ slot_ids,
-                                  const int64_t* __restrict__ row0, const int64_t* __restrict__ nrows, int64_t K,
-                                  int64_t M, int64_t S, scalar_t* __restrict__ out) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t i = blockIdx.y;
-  const int64_t m = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t nr = nrows[i];
-  if (m >= M || nr == 0) return;
-  const int64_t slot = slot_ids[i];
-  CUDA_KERNEL_ASSERT(slot >= 0 && slot < S && "minagi.grouped_mm: slot_ids outside [0, n_slots)");
-  const scalar_t* w = b + slot * b_s0 + m * b_s2;
-  const scalar_t* x = a + row0[i] * K;
-  acc_t y[kSmallRows] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const acc_t wk = static_cast<acc_t>(w[k * b_s1]);
-#pragma unroll
-    for (int r = 0; r < kSmallRows; ++r) {
-      if (r < nr) y[r] += static_cast<acc_t>(x[r * K + k]) * wk;
-    }
-  }
-  for (int r = 0; r < nr; ++r) out[(row0[i] + r) * M + m] = static_cast<scalar_t>(y[r]);
-}
-
 // The decode case: every listed slot owns at most kSmallRows rows (and the slots fit one grid).
 bool small_rows_case(const std::vector<Group>& groups, int64_t A) {
   if (A > gpu::kMaxBlocks) return false;
   for (const Group& g : groups) {
-    if (g.rows > kSmallRows) return false;
+    if (g.rows > gpu::kSmallRows) return false;
   }
   return true;
 }
@@ -102,7 +73,7 @@ void small_rows_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   const int64_t K = a.size(1), M = b.size(2);
   const dim3 grid(static_cast<unsigned>((M + gpu::kThreads - 1) / gpu::kThreads), static_cast<unsigned>(A));
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm_cuda", [&] {
-    small_rows_kernel<scalar_t><<<grid, gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    gpu::small_rows_kernel<scalar_t><<<grid, gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), b.stride(0), b.stride(1), b.stride(2),
         ids.data_ptr<int64_t>(), r0.data_ptr<int64_t>(), nr.data_ptr<int64_t>(), K, M, b.size(0),
         out.data_ptr<scalar_t>());

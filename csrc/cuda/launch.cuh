@@ -1,6 +1,7 @@
-// Shared pieces of the GPU kernels (CUDA dialect; torch hipifies them for ROCm).
-// No kernel here assumes a warp size: every reduction goes through shared memory with
-// __syncthreads, so the same code is right on wave32 (RDNA, NVIDIA) and wave64 (CDNA).
+// Shared host pieces of the GPU launchers (*.cu; CUDA dialect, torch hipifies them for ROCm).
+// The kernels themselves are in *_kernels.cuh. No kernel assumes a warp size: every reduction
+// goes through shared memory with __syncthreads, so the same code is right on wave32 (RDNA,
+// NVIDIA) and wave64 (CDNA).
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -13,24 +14,10 @@
 #include <cstdint>
 
 #include "../common.h"
+#include "launch_geometry.h"
 
 namespace minagi {
 namespace gpu {
-
-constexpr int kThreads = 256;
-// Grid-stride loops cover any size; more blocks than this only queue.
-constexpr int64_t kMaxBlocks = 65535;
-
-inline int64_t blocks_for(int64_t n, int threads = kThreads) {
-  return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, kMaxBlocks));
-}
-
-// The smallest power of two >= n, clamped to [lo, hi]: block sizes for tree reductions.
-inline int pow2_threads(int64_t n, int lo, int hi) {
-  int t = lo;
-  while (t < n && t < hi) t <<= 1;
-  return t;
-}
 
 // A [rows, cols] output whose allocation is rounded up to _bucket(rows) rows: over a run of
 // varying routings the caching allocator sees a few dozen block sizes, not one per step, so
@@ -49,9 +36,6 @@ inline at::Tensor plain_rows(const at::Tensor& t, int64_t n) {
   at::AutoDispatchBelowADInplaceOrView below;
   return t.narrow(0, 0, n);
 }
-
-// Blocks of at least 64 threads: a whole wave64 (CDNA) as well as two warps / wave32s.
-constexpr int kMinThreads = 64;
 
 inline void check_cuda(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.is_cuda(), "minagi.", op, ": ", name, " must be on the GPU with the other inputs, got ",

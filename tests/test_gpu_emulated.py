@@ -1,0 +1,358 @@
+"""The GPU kernels (csrc/cuda/*_kernels.cuh) run on the CPU under the project's emulator
+(csrc/emu/emulator.h: every thread of a block a std::thread, __syncthreads a std::barrier), built
+with the system's g++ by tests/emu/run_kernels.cpp, and checked against the CPU kernels (the
+pure-torch twins where minagi._C is not loaded): bit-exact for indices, loads and plans, within
+the dtype's tolerance for float outputs. Then once more under ThreadSanitizer on smaller sizes,
+where any report fails. Skips, saying why, where no C++20 compiler is found."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minagi import ops
+
+from conftest import EXT
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "tests" / "emu" / "run_kernels.cpp"
+CXX = os.environ.get("CXX", "g++")
+FLAGS = ["-std=c++20", "-pthread", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror"]
+TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g"]
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+               torch.bfloat16: "bfloat16", torch.int64: "int64"}
+# The oracle: the CPU kernels, or the twins where the extension is not loaded.
+CPU = ops.compiled() if EXT else ops.REFERENCE
+
+
+def _cxx20_skip_reason() -> str:
+    """Why the emulator cannot be built here ('' when it can)."""
+    if shutil.which(CXX) is None:
+        return f"no C++ compiler: {CXX} not on PATH (set CXX)"
+    probe = "#include <atomic>\n#include <barrier>\nint main() { int v = 0; std::atomic_ref<int>(v)++; " \
+            "std::barrier<> b(1); b.arrive_and_wait(); return v - 1; }\n"
+    try:
+        run = subprocess.run([CXX, "-std=c++20", "-pthread", "-x", "c++", "-", "-o", os.devnull],
+                             input=probe, text=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{CXX} did not run: {exc}"
+    if run.returncode != 0:
+        return f"{CXX} has no C++20 <barrier> / std::atomic_ref: {run.stderr.strip().splitlines()[:1]}"
+    return ""
+
+
+SKIP = _cxx20_skip_reason()
+pytestmark = pytest.mark.skipif(bool(SKIP), reason=f"GPU emulator: {SKIP}")
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    kernel: str
+    params: dict
+    inputs: dict
+    want: dict            # output name -> expected tensor (its dtype and shape are the file's)
+    exact: tuple = ()     # outputs that must match bit for bit
+    tol: tuple | None = None  # (rtol, atol) for the other outputs; None = torch's for the dtype
+
+    def write(self, root: Path) -> Path:
+        d = root / self.name
+        d.mkdir(parents=True)
+        (d / "case.txt").write_text("".join(f"{k} {v}\n" for k, v in {"kernel": self.kernel, **self.params}.items()))
+        for name, t in self.inputs.items():
+            (d / f"{name}.bin").write_bytes(_bytes(t))
+        return d
+
+    def check(self, d: Path) -> list[str]:
+        errors = []
+        for name, want in self.want.items():
+            path = d / f"got_{name}.bin"
+            if not path.exists():
+                errors.append(f"{self.name}: no output {name}")
+                continue
+            got = _tensor(path.read_bytes(), want.dtype).reshape(want.shape)
+            try:
+                if name in self.exact:
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+                elif self.tol is None:
+                    torch.testing.assert_close(got, want, equal_nan=True)
+                else:
+                    torch.testing.assert_close(got, want, rtol=self.tol[0], atol=self.tol[1], equal_nan=True)
+            except AssertionError as exc:
+                errors.append(f"{self.name}: {name}: {exc}")
+        return errors
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _tensor(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if not raw:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+
+
+def _params(dtype=None, **sizes) -> dict:
+    return ({"dtype": DTYPE_NAMES[dtype]} if dtype is not None else {}) | {k: int(v) for k, v in sizes.items()}
+
+
+# ---- The cases. "full" runs plainly; "small" is the ThreadSanitizer run's subset.
+
+def _dtypes(size: str, shapes: list, second=torch.bfloat16) -> list:
+    """(dtype, shapes) pairs: every dtype with every shape, or (small) float32 with every shape
+    and one half-width dtype with the first."""
+    if size == "full":
+        return [(dtype, shapes) for dtype in FLOATS]
+    return [(torch.float32, shapes), (second, shapes[:1])]
+
+
+def _routing_logits(kind: str, N: int, S: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "ties":  # integers: many equal logits, across the threads of a block
+        return (torch.randn(N, S, generator=g) * 2).round()
+    x = torch.randn(N, S, generator=g)
+    if kind == "nan" and N >= 4:
+        x[0] = float("nan")                    # every logit NaN: slots 0..k-1, NaN gates
+        x[1, ::2] = float("nan")               # NaN ranked as -inf
+        x[2] = float("-inf")                   # all -inf: slots 0..k-1, NaN gates
+        x[3, 1] = float("inf")
+    return x
+
+
+def routing_cases(size: str) -> list[Case]:
+    g = torch.Generator().manual_seed(1)
+    shapes = [  # (tag, N, S, k, logits, grid cap)
+        ("ties_grid_stride", 6, 7, 3, "ties", 4),
+        ("one", 1, 1, 1, "randn", None),
+        ("nan_inf", 4, 9, 4, "nan", None),
+        ("empty", 0, 5, 2, "randn", None),
+        ("slot_limit", 1 if size == "small" else 2, 2048, 8, "ties", None),
+    ]
+    if size == "full":
+        shapes += [
+            ("ties_k8_grid_stride", 40, 64, 8, "ties", 16),
+            # the shape that crashed on an H200 (70,000 x 512, top 8, many ties), shrunk, with
+            # the grid shrunk in proportion so each block takes several rows as there
+            ("ties_512_top8", 24, 512, 8, "ties", 5),
+            ("all_slots", 5, 33, 33, "ties", None),
+        ]
+    cases = []
+    for dtype, dtype_shapes in _dtypes(size, shapes):
+        for tag, N, S, k, kind, cap in dtype_shapes:
+            logits = _routing_logits(kind, N, S, g).to(dtype)
+            idx, gates, load = CPU.routing(logits, k)
+            params = _params(dtype, N=N, S=S, k=k) | ({"max_blocks": cap} if cap else {})
+            cases.append(Case(f"routing_{tag}_{DTYPE_NAMES[dtype]}", "routing", params, {"logits": logits},
+                              {"slot_idx": idx, "gates": gates, "load": load}, exact=("slot_idx", "load")))
+    return cases
+
+
+def routing_backward_cases(size: str) -> list[Case]:
+    g = torch.Generator().manual_seed(2)
+    shapes = [("one", 1, 1, 1, None), ("grid_stride", 300 if size == "full" else 70, 16, 4, 1), ("empty", 0, 4, 2, None)]
+    cases = []
+    for dtype, dtype_shapes in _dtypes(size, shapes):
+        for tag, N, S, k, cap in dtype_shapes:
+            idx, gates, _ = CPU.routing(torch.randn(N, S, generator=g).to(dtype), k)
+            grad = torch.randn(N, k, generator=g).to(dtype)
+            params = _params(dtype, N=N, S=S, k=k) | ({"max_blocks": cap} if cap else {})
+            cases.append(Case(f"routing_backward_{tag}_{DTYPE_NAMES[dtype]}", "routing_backward", params,
+                              {"grad_gates": grad, "gates": gates, "slot_idx": idx},
+                              {"out": CPU.routing_backward(grad, gates, idx, S)}))
+    return cases
+
+
+def _slot_idx(kind: str, N: int, S: int, k: int, g: torch.Generator) -> torch.Tensor:
+    idx = torch.rand(N, S, generator=g).topk(k, dim=1).indices
+    if kind == "sink":  # every character takes slot 5 (the rest spread): one slot past 128 rows
+        has5 = idx.eq(5).any(1)
+        idx[:, 0] = torch.where(has5, idx[:, 0], torch.full_like(idx[:, 0], 5))
+    return idx
+
+
+PLAN_OUTPUTS = ("load", "slot_order", "slot_rows", "row_pair", "dest")
+
+
+def group_plan_cases(size: str) -> list[Case]:
+    g = torch.Generator().manual_seed(3)
+    shapes = [  # (tag, N, S, k, kind)
+        ("one", 1, 1, 1, "uniform"),
+        ("small", 50, 10, 3, "uniform"),
+        ("chunks_sink", 700 if size == "full" else 300, 37, 2, "sink"),
+        ("slot_limit", 300 if size == "full" else 80, 2048, 4, "uniform"),
+        ("empty", 0, 6, 2, "uniform"),
+    ]
+    caps = [(0, True), (0, False), (7, True), (3, False)] if size == "full" else [(0, True), (7, False)]
+    cases = []
+    for tag, N, S, k, kind in shapes:
+        idx = _slot_idx(kind, N, S, k, g) if N else torch.empty(0, k, dtype=torch.long)
+        # One plan at the slot limit under the sanitizer: its plan kernel is S^2 instrumented reads.
+        for cap, bucketed in caps[:1] if size == "small" and S == 2048 else caps:
+            want = dict(zip(PLAN_OUTPUTS, CPU.group_plan(idx, S, cap, bucketed)))
+            cases.append(Case(f"group_plan_{tag}_cap{cap}_{'bucketed' if bucketed else 'exact'}", "group_plan",
+                              _params(N=N, S=S, k=k, capacity=cap, bucketed=bucketed), {"slot_idx": idx}, want,
+                              exact=PLAN_OUTPUTS))
+    return cases
+
+
+def _plans(size: str, g: torch.Generator):
+    """(tag, N, D, k, row_pair, dest, grid cap): plans with dropped pairs, padding, and N = 0."""
+    shapes = [("dropped_padded", 9, 5, 2, 4, 3, None), ("grid_stride", 64 if size == "full" else 24, 24, 2, 8, 0, 2),
+              ("one", 1, 1, 1, 1, 0, None), ("empty", 0, 3, 2, 4, 0, None)]
+    for tag, N, D, k, S, cap, grid in shapes:
+        idx = _slot_idx("uniform", N, S, k, g) if N else torch.empty(0, k, dtype=torch.long)
+        _, _, _, row_pair, dest = CPU.group_plan(idx, S, cap, True)
+        yield tag, N, D, k, row_pair, dest, grid
+
+
+def map_cases(size: str) -> list[Case]:
+    """bucketed_gather, weighted_scatter and gate_grad on the same plans, with gates and without."""
+    g = torch.Generator().manual_seed(4)
+    cases = []
+    plans = list(_plans(size, g))
+    for dtype, dtype_plans in _dtypes(size, plans, second=torch.float16):
+        for tag, N, D, k, row_pair, dest, grid in dtype_plans:
+            E, cap = row_pair.shape[0], ({"max_blocks": grid} if grid else {})
+            x = torch.randn(N, D, generator=g).to(dtype)
+            gates = torch.rand(N, k, generator=g).to(dtype)
+            rows = torch.randn(E, D, generator=g).to(dtype)
+            suffix = f"{tag}_{DTYPE_NAMES[dtype]}"
+            for gated in (True, False):
+                params = _params(dtype, N=N, D=D, k=k, E=E, gates=gated) | cap
+                extra = {"gates": gates} if gated else {}
+                g_arg = gates if gated else None
+                cases.append(Case(f"gather_{suffix}_{'gated' if gated else 'plain'}", "gather", params,
+                                  {"x": x, "row_pair": row_pair, **extra},
+                                  {"out": CPU.bucketed_gather(x, row_pair, dest, g_arg)}, exact=("out",)))
+                cases.append(Case(f"scatter_{suffix}_{'gated' if gated else 'plain'}", "scatter", params,
+                                  {"rows": rows, "dest": dest, **extra},
+                                  {"out": CPU.weighted_scatter(rows, dest, row_pair, g_arg)}))
+            cases.append(Case(f"gate_grad_{suffix}", "gate_grad", _params(dtype, N=N, D=D, k=k, E=E) | cap,
+                              {"a": x, "rows": rows, "dest": dest}, {"out": CPU.gate_grad(x, rows, dest, row_pair)},
+                              tol=_sum_tol(dtype, D)))
+    # gate_grad's strided partial dots (D past the block) and its block-per-pair grid-stride loop
+    for dtype in [torch.float32, torch.float64] if size == "full" else [torch.float32]:
+        N, D, k = (40, 300, 2) if size == "full" else (12, 300, 2)
+        idx = _slot_idx("uniform", N, 6, k, g)
+        _, _, _, row_pair, dest = CPU.group_plan(idx, 6, 0, False)
+        a, rows = torch.randn(N, D, generator=g).to(dtype), torch.randn(row_pair.shape[0], D, generator=g).to(dtype)
+        cases.append(Case(f"gate_grad_wide_grid_stride_{DTYPE_NAMES[dtype]}", "gate_grad",
+                          _params(dtype, N=N, D=D, k=k, E=row_pair.shape[0], max_blocks=3),
+                          {"a": a, "rows": rows, "dest": dest}, {"out": CPU.gate_grad(a, rows, dest, row_pair)},
+                          tol=_sum_tol(dtype, D)))
+    return cases
+
+
+def _sum_tol(dtype: torch.dtype, terms: int):
+    """A sum of `terms` products in another order: the dtype's rounding, grown with the terms."""
+    rtol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    return rtol, rtol * terms ** 0.5
+
+
+def small_rows_cases(size: str) -> list[Case]:
+    g = torch.Generator().manual_seed(5)
+    S, K, M = 12, 96 if size == "full" else 16, 300  # M past one block of 256 columns
+    layouts = [("row_major", [7, 2, 11, 0, 5], [1, 4, 2, 3, 0]), ("transposed", [3, 9], [4, 1]),
+               ("no_rows", [4], [0])]
+    cases = []
+    for dtype, dtype_layouts in _dtypes(size, layouts):
+        for tag, ids, nrows in dtype_layouts:
+            if tag == "transposed":  # b [S, K, M] as a transposed view: the kernel reads b's strides
+                store = torch.randn(S, M, K, generator=g).to(dtype)
+                b = store.transpose(1, 2)
+            else:
+                store = b = torch.randn(S, K, M, generator=g).to(dtype)
+            slot_ids, slot_rows = torch.tensor(ids), torch.tensor(nrows)
+            E = int(slot_rows.sum())
+            a = torch.randn(E, K, generator=g).to(dtype)
+            s0, s1, s2 = b.stride()
+            params = _params(dtype, A=len(ids), E=E, K=K, M=M, S=S, b_s0=s0, b_s1=s1, b_s2=s2)
+            want = CPU.grouped_mm(a, b, slot_ids, slot_rows)
+            cases.append(Case(f"small_rows_{tag}_{DTYPE_NAMES[dtype]}", "small_rows", params,
+                              {"a": a, "b": store, "slot_ids": slot_ids, "slot_rows": slot_rows},
+                              {"out": want}, tol=_sum_tol(dtype, K)))
+    return cases
+
+
+FAMILIES = {
+    "routing": routing_cases,
+    "routing_backward": routing_backward_cases,
+    "group_plan": group_plan_cases,
+    "gather_scatter_gate_grad": map_cases,
+    "small_rows": small_rows_cases,
+}
+
+
+# ---- Building and running the program.
+
+def _build(out: Path, extra: list[str]) -> Path:
+    exe = out / "run_kernels"
+    cmd = [CXX, *FLAGS, *extra, "-I", str(ROOT / "csrc"), "-o", str(exe), str(SOURCE)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"building the emulator test failed:\n{' '.join(cmd)}\n{run.stderr[-6000:]}"
+    return exe
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("emu"), ["-O2"])
+
+
+@pytest.fixture(scope="module")
+def tsan_program(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("emu_tsan"), TSAN_FLAGS)
+
+
+def _tsan_env() -> dict:
+    # exitcode: a report fails the run even where the output is right; second_deadlock_stack for
+    # a readable report should a barrier ever hang.
+    return {**os.environ, "TSAN_OPTIONS": "halt_on_error=0:exitcode=66:second_deadlock_stack=1"}
+
+
+def _run(exe: Path, cases: list[Case], root: Path, env=None, args=()) -> tuple[subprocess.CompletedProcess, list]:
+    dirs = [c.write(root) for c in cases]
+    # setarch -R: ThreadSanitizer's fixed memory layout refuses some kernels' randomised mappings.
+    prefix = ["setarch", os.uname().machine, "-R"] if env is not None and shutil.which("setarch") else []
+    proc = subprocess.run([*prefix, str(exe), *args, *map(str, dirs)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    return proc, dirs
+
+
+def _check(cases, dirs, proc) -> None:
+    assert proc.returncode == 0, f"run_kernels exited with {proc.returncode}:\n{proc.stderr[-8000:]}"
+    errors = [e for c, d in zip(cases, dirs) for e in c.check(d)]
+    assert not errors, f"{len(errors)} mismatches against the CPU kernels:\n" + "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_kernels_match_the_cpu_kernels_under_the_emulator(program, tmp_path, family):
+    cases = FAMILIES[family]("full")
+    proc, dirs = _run(program, cases, tmp_path)
+    _check(cases, dirs, proc)
+
+
+def test_gpu_kernels_are_race_free_under_thread_sanitizer(tsan_program, tmp_path):
+    cases = [c for make in FAMILIES.values() for c in make("small")]
+    start = time.monotonic()
+    proc, dirs = _run(tsan_program, cases, tmp_path, env=_tsan_env())
+    assert "ThreadSanitizer" not in proc.stderr, (
+        f"ThreadSanitizer reported (after {time.monotonic() - start:.0f} s):\n{proc.stderr[-12000:]}")
+    _check(cases, dirs, proc)
+
+
+@pytest.mark.parametrize("probe", ["missing_barrier", "plain_global_count"])
+def test_thread_sanitizer_sees_a_race_in_the_emulator(tsan_program, tmp_path, probe):
+    # The race-free result above means something only if ThreadSanitizer sees the emulator's
+    # threads race: a block that reads shared memory another thread wrote with no barrier between,
+    # and blocks that bump one global count without an atomic.
+    case = Case(f"probe_{probe}", "race_probe", {"probe": probe}, {}, {})
+    proc, _ = _run(tsan_program, [case], tmp_path, env=_tsan_env())
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
+        f"no race reported for {probe} (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -9,9 +9,22 @@
     python train.py prepare SRC OUT [--heldout-every N] [--force]
 
 The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
+import signal
 import sys
 
-from minagi.cli import main
+
+def _keep(signum, frame):
+    """SIGTERM / SIGINT while torch loads: kept for the trainer, which then stops after its first
+    step with a checkpoint (minagi.guard.GracefulStop takes it over), instead of a kill that
+    saves nothing."""
+    _keep.caught = _keep.caught or signum
+
+
+_keep.caught = None
+for _sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(_sig, _keep)
+
+from minagi.cli import main  # noqa: E402  (after the keeper: this import takes seconds)
 
 if __name__ == "__main__":
     sys.exit(main())

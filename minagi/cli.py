@@ -20,7 +20,7 @@ from .checkpoint import CheckpointError
 from .config import DEFAULT_PROFILE, ConfigError, load, profile_names
 from .data import DataError
 from .distributed import DistributedError, launched, rank
-from .guard import Diverged, Interrupted
+from .guard import Diverged, Interrupted, release_early_signals
 from .plot import PlotError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError, DistributedError)
@@ -56,8 +56,12 @@ def run_train(argv) -> int:
     out = args.out or f"runs/{cfg.profile}"
     from .trainer import train
 
+    # On --resume only a length the command names (--steps, or --set train.steps) moves the
+    # run's end; the profile's default does not.
+    named_steps = any(kv.split("=", 1)[0].strip() == "train.steps" for kv in overrides)
     try:
-        record = train(cfg, out, resume=args.resume, progress=not args.quiet)
+        record = train(cfg, out, resume=args.resume, progress=not args.quiet,
+                       steps=cfg.train.steps if args.resume and named_steps else None)
     except Diverged as exc:
         print(f"minagi: {exc}", file=sys.stderr)
         return exc.exit_status
@@ -188,6 +192,7 @@ def main(argv=None, prog: str = "python train.py", train_prog: str | None = None
 
             allocator.ensure()  # MINAGI_ALLOCATOR: may re-execute this command with the library preloaded
         if argv and argv[0] in COMMANDS:
+            release_early_signals()
             return COMMANDS[argv[0]](argv[1:])
         return run_train(argv)
     except USER_ERRORS as exc:

@@ -6,6 +6,7 @@ as shells report them, for a run stopped by a signal after its checkpoint was wr
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -81,6 +82,22 @@ class DivergenceGuard:
                            f"The last good checkpoint is {last_good}. {ADVICE}, then train again or --resume.")
 
 
+_DEFAULT = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+
+
+def release_early_signals() -> None:
+    """For commands other than training: give SIGTERM / SIGINT their usual meaning back from
+    train.py's keeper (which holds them while torch loads), and act on one it caught."""
+    caught = None
+    for sig, default in _DEFAULT.items():
+        handler = signal.getsignal(sig)
+        if hasattr(handler, "caught"):
+            caught = caught or handler.caught
+            signal.signal(sig, default)
+    if caught:
+        os.kill(os.getpid(), caught)
+
+
 class GracefulStop:
     """While active, SIGTERM and SIGINT ask the run to stop after its current step (`requested`
     holds the signal); a second SIGINT stops at once (KeyboardInterrupt). Outside the main
@@ -100,7 +117,11 @@ class GracefulStop:
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                if hasattr(previous, "caught"):  # train.py's keeper: what it caught while torch loaded is ours
+                    self.requested = self.requested or previous.caught
+                    previous = _DEFAULT[sig]
+                self._previous[sig] = previous
         return self
 
     def __exit__(self, *exc) -> None:

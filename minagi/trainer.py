@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import _backend, allocator, checkpoint, distributed
-from .config import Config, validate
+from .config import Config, ConfigError, validate
 from .data import Batches, check_fits, fixed_chunks, load_corpus
 from .dispatch import resolve_path
 from .expert_parallel import ExpertParallel
@@ -302,26 +302,43 @@ class Run:
                 else "none: no checkpoint was written yet")
 
 
-def _start(cfg: Config, out_dir: Path, resume: bool):
-    """The run, its window and corpus-derived held-out chunks, and the settings this command gave
-    that a resumed run ignores. A start that fails once the process groups exist ends them."""
+def _resumed_config(cfg: Config, ckpt: dict, steps: int | None):
+    """The checkpoint's settings with this command's layout (and, where given, its length): the
+    config to go on with, the one-line notes on what changed, and the settings ignored."""
+    saved = Config.from_dict(ckpt["config"])
+    for key in LAYOUT:  # how this run spreads over processes is this command's to say
+        setattr(saved.train, key, getattr(cfg.train, key))
+    notes = []
+    if steps is not None and steps != saved.train.steps:
+        if steps < ckpt["step"]:
+            raise ConfigError(f"--steps {steps} is below the checkpoint's step {ckpt['step']}: a resumed run can "
+                              f"only go on; give --steps {ckpt['step']} or more (the run was planned for "
+                              f"{saved.train.steps})")
+        notes.append(f"minagi: resuming at step {ckpt['step']} and training to step {steps} (planned: "
+                     f"{saved.train.steps}); the learning-rate schedule is re-planned over {steps} steps")
+        saved.train.steps = steps
+    validate(saved)  # the command's layout against the saved model (expert parallelism's needs)
+    ignored = [f"{sec}.{k}={v} (saved: {getattr(getattr(saved, sec), k)})"
+               for sec, table in cfg.to_dict().items() if isinstance(table, dict)
+               for k, v in table.items() if getattr(getattr(saved, sec), k) != v]
+    return saved, notes, ignored
+
+
+def _start(cfg: Config, out_dir: Path, resume: bool, steps: int | None = None):
+    """The run, its window and corpus-derived held-out chunks, and the lines to say about the
+    settings of a resumed run. A start that fails once the process groups exist ends them."""
     checkpoint.check_writable(out_dir)
     # Under expert parallelism each rank reads only its experts (Run.restore).
     ckpt = checkpoint.load(out_dir, require_finite=True, experts=cfg.train.expert_parallel == 1) if resume else None
-    ignored = []
-    if ckpt is not None:  # the saved settings win (but the layout's); say which of this command's differ
-        saved = Config.from_dict(ckpt["config"])
-        for key in LAYOUT:  # how this run spreads over processes is this command's to say
-            setattr(saved.train, key, getattr(cfg.train, key))
-        validate(saved)  # the command's layout against the saved model (expert parallelism's needs)
-        ignored = [f"{sec}.{k}={v} (saved: {getattr(getattr(saved, sec), k)})"
-                   for sec, table in cfg.to_dict().items() if isinstance(table, dict)
-                   for k, v in table.items() if getattr(getattr(saved, sec), k) != v]
-        cfg = saved
+    notes = []
+    if ckpt is not None:  # the saved settings win (but the layout's, and a named length)
+        cfg, notes, ignored = _resumed_config(cfg, ckpt, steps)
+        if ignored:
+            notes.append("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
     device = resolve_device(cfg.train.device)
     dist = distributed.start(device.type, cfg.train.dist_timeout)
     try:
-        return (*_build_run(cfg, out_dir, ckpt, device, dist), ignored)
+        return (*_build_run(cfg, out_dir, ckpt, device, dist), notes)
     except BaseException:
         distributed.stop(dist)
         raise
@@ -346,6 +363,9 @@ def _build_run(cfg: Config, out_dir: Path, ckpt: dict | None, device: torch.devi
     window = Window()
     if ckpt is not None:
         window = run.restore(ckpt)
+        if ckpt["config"]["train"]["steps"] != cfg.train.steps:  # a new length: the schedule's lr at this step
+            for group, base in zip(opt.param_groups, sched.base_lrs):
+                group["lr"] = base * lr_factor(sched.last_epoch, cfg)
         if dist.main:
             _rewrite_history(history, run.step, ckpt.get("record"))
     elif history.exists() and dist.main:
@@ -499,60 +519,65 @@ def _agree_stop(run: Run, signals: GracefulStop, stop: bool) -> bool:
     return asked > 0
 
 
-def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=()) -> dict:
+def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=(),
+          steps: int | None = None) -> dict:
     """Train (or resume) into out_dir; returns the last history record. callbacks: functions
     called with a StepInfo after every step; one that returns True ends the run there, with a
     checkpoint at that step (as a finished run has). Raises guard.Diverged when the run
     diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT.
-    Under torchrun (minagi/distributed.py) every rank runs this; the ranks stop together."""
+    Under torchrun (minagi/distributed.py) every rank runs this; the ranks stop together.
+    steps (with resume): train the resumed run to this step instead of its saved length (its
+    schedule re-planned over it); below the checkpoint's step it is a ConfigError."""
     out_dir = Path(out_dir)
-    run, window, heldout, corpus, ignored = _start(cfg, out_dir, resume)
-    try:
-        bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
-        if ignored:
-            bar.write("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
-        bar.write(_describe(run, corpus, resume))
-        if _world_note(run):
-            bar.write(_world_note(run))
-        return _loop(run, window, heldout, bar, callbacks)
-    finally:
-        distributed.stop(run.dist)
+    # From here a signal means "stop after the current step", during the start too: it then
+    # stops after the first step, with that step's checkpoint.
+    with GracefulStop() as signals:
+        run, window, heldout, corpus, notes = _start(cfg, out_dir, resume, steps)
+        try:
+            bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
+            for note in notes:
+                bar.write(note)
+            bar.write(_describe(run, corpus, resume))
+            if _world_note(run):
+                bar.write(_world_note(run))
+            return _loop(run, window, heldout, bar, callbacks, signals)
+        finally:
+            distributed.stop(run.dist)
 
 
-def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks) -> dict:
+def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: GracefulStop) -> dict:
     cfg, device, t, out_dir = run.cfg, run.device, run.cfg.train, run.out_dir
     eval_x, eval_y = heldout
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, out_dir), time.perf_counter(), None
     trim = allocator.HeapTrim(t.malloc_trim_every if device.type == "cpu" else 0)
     run.model.train()
-    with GracefulStop() as signals:
-        while run.step < t.steps:
-            t0 = time.perf_counter()
-            outs, chars, loss, ce, skipped = _train_step(run, guard)
-            trim(run.step)  # counted in the step's time: its cost is the trim and the pages faulted back
-            seconds = time.perf_counter() - t0
-            window.add(outs, loss, ce, chars, seconds, cfg.model.max_rows, skipped)
-            guard.check(run.step, run.last_good())
-            rows_mean = float(sum(o.rows_used.mean() for o in outs) / len(outs))
-            bar.update(run.step, loss, window.chars / window.train_s, rows_mean)
-            info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped, rows_mean)
-            stop = any([bool(cb(info)) for cb in callbacks])
-            if run.dist.active:  # only what every rank agreed on: a signal caught later counts next step
-                stop = _agree_stop(run, signals, stop)
-            else:
-                stop = stop or signals.requested is not None
-            last = run.step == t.steps or stop
-            if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
-                # Expert parallelism: every rank scores every chunk (a group's ranks take part in
-                # each other's all_to_alls, so they must run the same batches).
-                run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device,
-                                           run.dist if run.ep is None else distributed.SINGLE)
-                bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits per byte")
-            if run.step % t.checkpoint_every == 0 or last:
-                record, window = _checkpoint(run, window, t_start)
-                sinks.check(record)
-            if stop:
-                break
+    while run.step < t.steps:
+        t0 = time.perf_counter()
+        outs, chars, loss, ce, skipped = _train_step(run, guard)
+        trim(run.step)  # counted in the step's time: its cost is the trim and the pages faulted back
+        seconds = time.perf_counter() - t0
+        window.add(outs, loss, ce, chars, seconds, cfg.model.max_rows, skipped)
+        guard.check(run.step, run.last_good())
+        rows_mean = float(sum(o.rows_used.mean() for o in outs) / len(outs))
+        bar.update(run.step, loss, window.chars / window.train_s, rows_mean)
+        info = StepInfo(run.step, loss, chars, seconds, out_dir, skipped, rows_mean)
+        stop = any([bool(cb(info)) for cb in callbacks])
+        if run.dist.active:  # only what every rank agreed on: a signal caught later counts next step
+            stop = _agree_stop(run, signals, stop)
+        else:
+            stop = stop or signals.requested is not None
+        last = run.step == t.steps or stop
+        if run.step % t.eval_every == 0 or run.step % t.checkpoint_every == 0 or last:
+            # Expert parallelism: every rank scores every chunk (a group's ranks take part in
+            # each other's all_to_alls, so they must run the same batches).
+            run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, t.batch, cfg, device,
+                                       run.dist if run.ep is None else distributed.SINGLE)
+            bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits per byte")
+        if run.step % t.checkpoint_every == 0 or last:
+            record, window = _checkpoint(run, window, t_start)
+            sinks.check(record)
+        if stop:
+            break
     bar.close()
     if signals.requested is not None and run.step < t.steps:  # a run that finished anyway is done
         raise Interrupted(signals.requested, run.step, out_dir)

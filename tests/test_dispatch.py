@@ -19,7 +19,7 @@ def _run(path, slot_idx, leaves, cf=0.0, bucketed=None, seed=2):
     x, gates, w_in, w_out = (t.detach().clone().requires_grad_() for t in leaves)
     y, stats = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, capacity_factor=cf,
                           return_stats=True, bucketed=bucketed)
-    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype).to(y.device)
     grads = torch.autograd.grad(y, [x, gates, w_in, w_out], gy, allow_unused=True) if y.numel() else [None] * 4
     return y, grads, stats
 

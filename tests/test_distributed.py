@@ -288,3 +288,14 @@ def test_the_ddp_benchmark_writes_its_figures(tmp_path):
     experts = 4 * (w["pool.w_in"].numel() + w["pool.w_out"].numel())
     assert res["ep_allreduce_bytes_per_step"] == res["allreduce_bytes_per_step"] - experts
     assert res["char_per_s_ep"] > 0 and res["a2a_bytes_per_step"] > 0 and "expert_parallel 2:" in r.stdout
+
+
+def test_resume_with_more_steps_under_torchrun(tmp_path):
+    # 8 steps on 2 ranks, then --steps 12: the ranks train on to 12, and rank 0 says it once.
+    run = tmp_path / "run"
+    ok(torchrun("--quiet", *ARGS, "--set", "train.batch=2", "--out", str(run)))
+    more = [a if a != "8" else "12" for a in ARGS]
+    proc = ok(torchrun(*more, "--set", "train.batch=2", "--out", str(run), "--resume"))
+    assert proc.stderr.count("resuming at step 8 and training to step 12 (planned: 8)") == 1, proc.stderr[-2000:]
+    assert torch.load(run / "checkpoint.pt")["step"] == 12
+    assert [r["step"] for r in _history(run)] == [4, 8, 12]

@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import data, ddp, dispatch, quality, soak, speed
+from . import data, ddp, dispatch, quality, repro, soak, speed
 
 BENCHES = {"dispatch": dispatch.main, "quality": quality.main, "train": speed.main_train, "write": speed.main_write,
-           "soak": soak.main, "data": data.main, "ddp": ddp.main}
+           "soak": soak.main, "data": data.main, "ddp": ddp.main,
+           "repro": repro.main}
 
 
 def main(argv=None) -> int:

@@ -338,12 +338,13 @@ def _tsan_env() -> dict:
     return {**os.environ, "TSAN_OPTIONS": "halt_on_error=0:exitcode=66:second_deadlock_stack=1"}
 
 
-def _run(exe: Path, cases: list[Case], root: Path, env=None, args=()) -> tuple[subprocess.CompletedProcess, list]:
+def _run(exe: Path, cases: list[Case], root: Path, tsan: bool = False) -> tuple[subprocess.CompletedProcess, list]:
     dirs = [c.write(root) for c in cases]
-    # setarch -R: ThreadSanitizer's fixed memory layout refuses some kernels' randomised mappings.
-    prefix = ["setarch", os.uname().machine, "-R"] if env is not None and shutil.which("setarch") else []
-    proc = subprocess.run([*prefix, str(exe), *args, *map(str, dirs)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    # setarch -R: ThreadSanitizer's fixed memory layout refuses the randomised mappings of kernels
+    # with more ASLR entropy ("FATAL: ThreadSanitizer: unexpected memory mapping").
+    prefix = ["setarch", os.uname().machine, "-R"] if tsan and shutil.which("setarch") else []
+    proc = subprocess.run([*prefix, str(exe), *map(str, dirs)], capture_output=True, text=True, timeout=600,
+                          env=_tsan_env() if tsan else None)
     return proc, dirs
 
 
@@ -363,7 +364,7 @@ def test_gpu_kernels_match_the_cpu_kernels_under_the_emulator(program, tmp_path,
 def test_gpu_kernels_are_race_free_under_thread_sanitizer(tsan_program, tmp_path):
     cases = [c for make in FAMILIES.values() for c in make("small")]
     start = time.monotonic()
-    proc, dirs = _run(tsan_program, cases, tmp_path, env=_tsan_env())
+    proc, dirs = _run(tsan_program, cases, tmp_path, tsan=True)
     assert "ThreadSanitizer" not in proc.stderr, (
         f"ThreadSanitizer reported (after {time.monotonic() - start:.0f} s):\n{proc.stderr[-12000:]}")
     _check(cases, dirs, proc)
@@ -375,6 +376,6 @@ def test_thread_sanitizer_sees_a_race_in_the_emulator(tsan_program, tmp_path, pr
     # threads race: a block that reads shared memory another thread wrote with no barrier between,
     # and blocks that bump one global count without an atomic.
     case = Case(f"probe_{probe}", "race_probe", {"probe": probe}, {}, {})
-    proc, _ = _run(tsan_program, [case], tmp_path, env=_tsan_env())
+    proc, _ = _run(tsan_program, [case], tmp_path, tsan=True)
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
         f"no race reported for {probe} (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "activation.h"
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -115,13 +117,14 @@ inline void check_routing_backward_args(const at::Tensor& grad_gates, const at::
   debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
 }
 
-inline void check_group_plan_args(const at::Tensor& slot_idx, int64_t n_slots, int64_t capacity) {
+inline void check_group_plan_args(const at::Tensor& slot_idx, int64_t n_slots, int64_t capacity,
+                                  bool skip_invalid = false) {
   const char* op = "group_plan";
   check_dim(slot_idx, 2, op, "slot_idx");
   check_index(slot_idx, op, "slot_idx");
   TORCH_CHECK(n_slots >= 1, "minagi.group_plan: n_slots must be >= 1, got ", n_slots);
   TORCH_CHECK(capacity >= 0, "minagi.group_plan: capacity must be >= 0 (0 = uncapped), got ", capacity);
-  debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
+  if (!skip_invalid) debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
 }
 
 // The optional gates of gather and scatter: [N, k] like dest, the rows' dtype and device.
@@ -194,6 +197,52 @@ inline void check_wgrad_args(const at::Tensor& a, const at::Tensor& grad, int64_
   check_same_device(a, grad, op, "a", "grad");
   check_size(grad, 0, a.size(0), op, "grad", "a.shape[0]");
   TORCH_CHECK(n_slots >= 1, "minagi.grouped_mm_wgrad: n_slots must be >= 1, got ", n_slots);
+}
+
+// An activation by name (csrc/activation.h), or an error that lists the known ones.
+inline Act parse_act(const std::string& name, const char* op) {
+  for (int i = 0; i < kNumActs; ++i) {
+    if (name == kActNames[i]) return static_cast<Act>(i);
+  }
+  std::string known;
+  for (int i = 0; i < kNumActs; ++i) known += std::string(i ? ", " : "") + kActNames[i];
+  TORCH_CHECK(false, "minagi.", op, ": unknown activation '", name, "'; the forms are ", known);
+}
+
+// grouped_mm_act's operands: grouped_mm's, a gated form's even width, a bias [S, M].
+inline Act check_grouped_mm_act_args(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                                     const std::string& activation) {
+  const char* op = "grouped_mm_act";
+  check_grouped_mm_args(a, b);
+  const Act act = parse_act(activation, op);
+  TORCH_CHECK(!act_gated(act) || b.size(2) % 2 == 0, "minagi.grouped_mm_act: the gated form '", activation,
+              "' needs an even width (gate and up, 2H), got b of shape ", b.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == b.size(0) && bias->size(1) == b.size(2),
+                "minagi.grouped_mm_act: bias must be [S, M] = [", b.size(0), ", ", b.size(2), "], got shape ",
+                bias->sizes());
+    check_same_dtype(a, *bias, op, "a", "bias");
+    check_same_device(a, *bias, op, "a", "bias");
+  }
+  return act;
+}
+
+inline Act check_act_backward_args(const at::Tensor& grad, const at::Tensor& h, const std::string& activation,
+                                   int64_t n_slots) {
+  const char* op = "expert_act_backward";
+  check_dim(grad, 2, op, "grad");
+  check_dim(h, 2, op, "h");
+  check_floating(h, op, "h");
+  check_same_dtype(h, grad, op, "h", "grad");
+  check_same_device(h, grad, op, "h", "grad");
+  const Act act = parse_act(activation, op);
+  const int64_t width = act_gated(act) ? h.size(1) / 2 : h.size(1);
+  TORCH_CHECK(!act_gated(act) || h.size(1) % 2 == 0, "minagi.expert_act_backward: the gated form '", activation,
+              "' needs an even width of h, got shape ", h.sizes());
+  TORCH_CHECK(grad.size(0) == h.size(0) && grad.size(1) == width, "minagi.expert_act_backward: grad must be [",
+              h.size(0), ", ", width, "] for h of shape ", h.sizes(), ", got ", grad.sizes());
+  TORCH_CHECK(n_slots >= 1, "minagi.expert_act_backward: n_slots must be >= 1, got ", n_slots);
+  return act;
 }
 
 // Host-side range check of an index tensor (CPU kernels only: a GPU check would synchronise).

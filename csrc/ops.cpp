@@ -57,10 +57,12 @@ TORCH_LIBRARY(minagi, m) {
   //   slot_rows [A]: buffer rows of each (bucket(load) when bucketed, else load; runs of equal
   //   values are the groups); row_pair [E]: flat pair n * k + j of every buffer row (-1 =
   //   padding); dest [N, k]: buffer row of every pair (-1 = dropped).
+  // skip_invalid: ids outside [0, n_slots) are dropped pairs (dest -1), not an error (the
+  // sentinels of experts that live on another rank).
   // For GPU inputs slot_rows comes back on the CPU: the grouped GEMM sizes its batched matmuls
   // from it, and that one device-to-host copy is the plan's only synchronisation.
   m.def(
-      "group_plan(Tensor slot_idx, int n_slots, int capacity, bool bucketed) -> "
+      "group_plan(Tensor slot_idx, int n_slots, int capacity, bool bucketed, bool skip_invalid=False) -> "
       "(Tensor load, Tensor slot_order, Tensor slot_rows, Tensor row_pair, Tensor dest)");
   // out[e] = gates[p] * x[p // k] for p = row_pair[e] (gates optional), zero rows for padding.
   m.def("bucketed_gather(Tensor x, Tensor row_pair, Tensor dest, Tensor? gates) -> Tensor");
@@ -76,4 +78,17 @@ TORCH_LIBRARY(minagi, m) {
   m.def(
       "grouped_mm_wgrad(Tensor a, Tensor grad, Tensor slot_ids, Tensor slot_rows, int n_slots) "
       "-> Tensor");
+  // An expert's first layer: h = grouped_mm(a, b) + bias[slot] per row range (bias [S, M],
+  // optional), and out = the activation of h (csrc/activation.h: "gelu", "gelu_tanh", "silu",
+  // "relu2" give [E, M]; the gated "swiglu", "swiglu_interleaved", "swiglu_oai" give [E, M / 2];
+  // alpha and limit are swiglu_oai's). h is kept for the backward.
+  m.def(
+      "grouped_mm_act(Tensor a, Tensor b, Tensor? bias, Tensor slot_ids, Tensor slot_rows, str activation, "
+      "float alpha, float limit) -> (Tensor h, Tensor out)");
+  // The gradient of grouped_mm_act's h given out's gradient, and (bias_grad) the bias's: per
+  // listed slot the column sums of its rows' gradient, [n_slots, M] (zero for the others; [0]
+  // without bias_grad).
+  m.def(
+      "expert_act_backward(Tensor grad, Tensor h, Tensor slot_ids, Tensor slot_rows, str activation, float alpha, "
+      "float limit, int n_slots, bool bias_grad) -> (Tensor grad_h, Tensor grad_bias)");
 }

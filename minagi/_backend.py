@@ -21,6 +21,8 @@ OP_NAMES = (
     "gate_grad",
     "grouped_mm",
     "grouped_mm_wgrad",
+    "grouped_mm_act",
+    "expert_act_backward",
 )
 
 

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_PROFILE = "cpu-tiny"
+# minagi.reference.ACTIVATIONS (config stays below torch: the names only)
+_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai")
 
 
 class ConfigError(ValueError):
@@ -37,6 +39,9 @@ class ModelConfig:
     balance_coef: float = 0.01
     bias_rate: float = 1e-3  # balance = "bias": how far a routing bias moves per step
     dispatch: str = "auto"  # expert_mlp path
+    # The experts' form (minagi.reference.ACTIVATIONS): "gelu", or e.g. "swiglu", whose w_in is
+    # [d, 2 x d_hidden] (gate and up): 1.5x gelu's multiply-adds at the same d_hidden.
+    expert_activation: str = "gelu"
     dtype: str = "float32"  # float32 | bfloat16 (autocast on GPUs)
     pool_device: str = ""  # "" = the compute device; "cpu" keeps the pool in host memory
     rope_base: float = 10000.0
@@ -236,6 +241,8 @@ def validate(cfg: Config) -> None:
         (1 <= m.ngram <= 4, f"model.ngram must be in [1, 4] (1 = bytes alone), got {m.ngram}"),
         (m.ngram == 1 or m.ngram_buckets >= 1, "model.ngram_buckets must be >= 1"),
         (m.gates in ("chosen", "all"), f"model.gates must be chosen or all, got {m.gates!r}"),
+        (m.expert_activation in _ACTIVATIONS, f"model.expert_activation must be one of {', '.join(_ACTIVATIONS)}, "
+         f"got {m.expert_activation!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.dispatch in ("auto", "rectangle", "grouped", "compiled"), f"model.dispatch must be auto, rectangle, grouped or compiled, got {m.dispatch!r}"),
         (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),

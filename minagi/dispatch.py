@@ -1,6 +1,10 @@
 """expert_mlp: the one expert computation every caller uses, and its dispatch paths.
 
-    y[n] = sum_j gates[n, j] * gelu(x[n] @ w_in[s]) @ w_out[s],   s = slot_idx[n, j]
+    y[n] = sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s] + b_out[s]),   s = slot_idx[n, j]
+
+act is one of the expert forms (reference.ACTIVATIONS): gelu (the default), gelu_tanh, silu,
+relu2, or the gated swiglu, swiglu_interleaved and GPT-OSS's swiglu_oai, whose w_in is [S, d, 2h]
+(gate and up). The biases are optional.
 
 Paths:
   rectangle  every slot padded to the busiest slot's load, one bmm: the seed's old dispatch,
@@ -28,9 +32,26 @@ import torch.nn.functional as F
 
 from . import ops as _ops
 from . import reference
+from .reference import ACTIVATIONS, GATED
 from .reference import bucket as _bucket  # noqa: F401  (the seed's name for it)
 
 PATHS = ("auto", "rectangle", "grouped", "compiled")
+OUT_OF_RANGE = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class Form:
+    """An expert form: the activation and swiglu_oai's alpha and limit."""
+    activation: str = "gelu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED
+
+    def act(self, h):
+        return reference.activate(h, self.activation, self.alpha, self.limit)
 
 
 @dataclass
@@ -92,24 +113,41 @@ def capacity(capacity_factor: float, n_chars: int, top_k: int, n_slots: int) -> 
     return max(1, math.ceil(capacity_factor * n_chars * top_k / n_slots))
 
 
-def _check_inputs(x, slot_idx, gates, w_in, w_out) -> None:
+def _check_inputs(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_of_range: str) -> None:
     def fail(msg):
         raise ValueError(f"expert_mlp: {msg}")
 
     for name, t in (("x", x), ("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"expert_mlp: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if form.activation not in ACTIVATIONS:
+        fail(f"activation must be one of {', '.join(ACTIVATIONS)}, got {form.activation!r}")
+    if out_of_range not in OUT_OF_RANGE:
+        fail(f"out_of_range_slots must be 'error' or 'skip', got {out_of_range!r}")
     if x.dim() != 2:
         fail(f"x must be [N, d], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         fail(f"x must be a floating-point tensor, got {x.dtype}")
     if w_in.dim() != 3 or w_out.dim() != 3:
         fail(f"w_in must be [S, d, h] and w_out [S, h, d], got {tuple(w_in.shape)} and {tuple(w_out.shape)}")
-    S, D, H = w_in.shape
+    S, D, H_in = w_in.shape
     if w_in.shape[1] != x.shape[1]:
         fail(f"w_in.shape[1] ({w_in.shape[1]}) must equal x.shape[1] ({x.shape[1]})")
+    H = w_out.shape[1]
+    if form.gated and H_in != 2 * H:
+        fail(f"the gated form {form.activation!r} needs w_in [S, d, 2h] (gate and up) for w_out [S, h, d]: "
+             f"w_in's width is {H_in}, w_out's h is {H} (2h = {2 * H})")
+    if not form.gated and H_in != H:
+        fail(f"w_out must be [S, h, d] = {(S, H_in, D)} to match w_in {tuple(w_in.shape)} for the form "
+             f"{form.activation!r}, got {tuple(w_out.shape)}")
     if tuple(w_out.shape) != (S, H, D):
         fail(f"w_out must be [S, h, d] = {(S, H, D)} to match w_in {tuple(w_in.shape)}, got {tuple(w_out.shape)}")
+    for name, b, width in (("b_in", b_in, H_in), ("b_out", b_out, D)):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (S, width):
+            fail(f"{name} must be [S, {'2h' if name == 'b_in' and form.gated else 'h' if name == 'b_in' else 'd'}]"
+                 f" = {(S, width)}, got {tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
     if slot_idx.dtype != torch.long:
         fail(f"slot_idx must be int64 (torch.long), got {slot_idx.dtype}")
     if slot_idx.dim() != 2 or slot_idx.shape[0] != x.shape[0]:
@@ -117,37 +155,47 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out) -> None:
     if tuple(gates.shape) != tuple(slot_idx.shape):
         fail(f"gates must have slot_idx's shape {tuple(slot_idx.shape)}, got {tuple(gates.shape)}")
     K = slot_idx.shape[1]
-    if not 1 <= K <= S:
+    if not 1 <= K <= S and out_of_range == "error":
         fail(f"top_k (slot_idx.shape[1] = {K}) must be in [1, S = {S}]")
-    for name, t in (("gates", gates), ("w_in", w_in), ("w_out", w_out)):
-        if t.dtype != x.dtype:
+    if not gates.is_floating_point():
+        fail(f"gates must be a floating-point tensor, got {gates.dtype}")
+    for name, t in (("w_in", w_in), ("w_out", w_out), ("b_in", b_in), ("b_out", b_out)):
+        if t is not None and t.dtype != x.dtype:
             fail(f"{name} is {t.dtype} but x is {x.dtype}; use one floating dtype")
-    for name, t in (("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
-        if t.device != x.device:
+    for name, t in (("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out), ("b_in", b_in),
+                    ("b_out", b_out)):
+        if t is not None and t.device != x.device:
             fail(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
     # On a GPU this check would synchronise; there the kernels and index ops assert on the device.
-    if slot_idx.numel() and slot_idx.device.type == "cpu":
+    if out_of_range == "error" and slot_idx.numel() and slot_idx.device.type == "cpu":
         lo, hi = int(slot_idx.min()), int(slot_idx.max())
         if lo < 0 or hi >= S:
-            fail(f"slot_idx holds {lo if lo < 0 else hi}, outside [0, S = {S})")
+            fail(f"slot_idx holds {lo if lo < 0 else hi}, outside [0, S = {S}) (ids of experts held elsewhere, "
+                 "as expert parallelism passes them: out_of_range_slots='skip' drops those pairs)")
 
 
-def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap):
-    """Every slot padded to the busiest slot's (kept) load: one [S, L, D] buffer, one bmm each."""
+def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form, b_in_SH, valid_NK):
+    """Every slot padded to the busiest slot's (kept) load: one [S, L, D] buffer, one bmm each.
+    valid_NK (out_of_range_slots='skip'): pairs outside it are dropped."""
     N, K = slot_idx_NK.shape
     S, D = w_in_SDH.shape[0], x_ND.shape[1]
     flat_R = slot_idx_NK.reshape(-1)
-    rank_R, count_S = reference.slot_ranks(flat_R, S)
-    load_S = count_S.clamp(max=cap) if cap > 0 else count_S
-    kept_R = rank_R < load_S[flat_R]
+    if valid_NK is not None:  # out-of-range ids in a bin of their own past the end, never kept
+        flat_R = torch.where(valid_NK.reshape(-1), flat_R, S)
+    rank_R, count_S = reference.slot_ranks(flat_R, S + 1)
+    load_S = count_S[:S].clamp(max=cap) if cap > 0 else count_S[:S]
+    kept_R = rank_R < torch.cat([load_S, load_S.new_zeros(1)])[flat_R]
     L = int(load_S.max()) if N else 0
     char_R = torch.arange(N, device=x_ND.device).repeat_interleave(K)
     slot_k, rank_k, char_k = flat_R[kept_R], rank_R[kept_R], char_R[kept_R]
     buf_SLD = x_ND.new_zeros(S, L, D).index_put((slot_k, rank_k), x_ND[char_k])
-    out_SLD = torch.bmm(F.gelu(torch.bmm(buf_SLD, w_in_SDH)), w_out_SHD)
+    h_SLH = torch.bmm(buf_SLD, w_in_SDH)
+    if b_in_SH is not None:
+        h_SLH = h_SLH + b_in_SH.unsqueeze(1)
+    out_SLD = torch.bmm(form.act(h_SLH), w_out_SHD)
     picked_RD = out_SLD[slot_k, rank_k] * gates_NK.reshape(-1)[kept_R].unsqueeze(1)
     y_ND = x_ND.new_zeros(N, D).index_add(0, char_k, picked_RD)
-    return y_ND, load_S, S * L, 1
+    return y_ND, kept_R.view(N, K), S * L, 1
 
 
 def bucketed_rows(like: torch.Tensor) -> torch.Tensor:
@@ -158,38 +206,59 @@ def bucketed_rows(like: torch.Tensor) -> torch.Tensor:
         return like.new_empty(0).set_(storage, 0, like.shape)  # contiguous strides
 
 
-class BucketedGelu(torch.autograd.Function):
-    """GELU whose output and input gradient live in _bucket(rows) allocations. Between the two
-    grouped GEMMs on a GPU, exact-size activations would show the caching allocator one block
-    size per routing, and its reserved memory would keep growing (the seed's lesson); the
-    kernels' own outputs are bucketed already."""
+class BucketedAct(torch.autograd.Function):
+    """An expert form's activation whose output and input gradient live in _bucket(rows)
+    allocations. Between the two grouped GEMMs on a GPU, exact-size activations would show the
+    caching allocator one block size per routing, and its reserved memory would keep growing (the
+    seed's lesson); the kernels' own outputs are bucketed already."""
 
     @staticmethod
-    def forward(ctx, h):
+    def forward(ctx, h, form: Form):
         ctx.save_for_backward(h)
-        return torch.ops.aten.gelu.out(h, out=bucketed_rows(h))
+        ctx.form = form
+        if form.activation == "gelu":
+            return torch.ops.aten.gelu.out(h, out=bucketed_rows(h))
+        act = form.act(h)
+        return bucketed_rows(act).copy_(act)
 
     @staticmethod
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a double backward: the differentiable op
-            return torch.ops.aten.gelu_backward(grad, h)
-        return torch.ops.aten.gelu_backward.grad_input(grad.contiguous(), h, grad_input=bucketed_rows(h))
+        if torch.is_grad_enabled():  # a double backward: the differentiable ops, through the saved h
+            return torch.autograd.grad(ctx.form.act(h), h, grad, create_graph=True)[0], None
+        if ctx.form.activation == "gelu":
+            return torch.ops.aten.gelu_backward.grad_input(grad.contiguous(), h, grad_input=bucketed_rows(h)), None
+        gh, _ = reference.expert_act_backward(grad, h, None, None, *_form_args(ctx.form), 1, False)
+        return bucketed_rows(gh).copy_(gh), None
 
 
-def _gelu(h_EH: torch.Tensor) -> torch.Tensor:
-    return BucketedGelu.apply(h_EH) if h_EH.is_cuda else F.gelu(h_EH)
+def _form_args(form: Form):
+    return form.activation, form.alpha, form.limit
 
 
-def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed):
-    """The plan's groups, one pair of grouped matmuls, exact GELU between, gated combine."""
+def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
+    """The form's activation of buf @ w_in + b_in, per slot's rows: the compiled op fuses the
+    bias and activation into the GEMM; the pure-torch twin on a GPU keeps its buffers bucketed."""
+    if ops is _ops.REFERENCE and buf_ED.is_cuda:
+        h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
+        if b_in_SH is not None:
+            h_EH = h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
+        return BucketedAct.apply(h_EH, form)
+    return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
+
+
+def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed, form, b_in_SH, skip):
+    """The plan's groups, one pair of grouped matmuls with the form's activation between, gated
+    combine."""
     S = w_in_SDH.shape[0]
-    load_S, order_A, rows_A, row_pair_E, dest_NK = ops.group_plan(slot_idx_NK, S, cap, bucketed)
+    plan = ops.group_plan(slot_idx_NK, S, cap, bucketed, True) if skip else ops.group_plan(slot_idx_NK, S, cap,
+                                                                                         bucketed)
+    load_S, order_A, rows_A, row_pair_E, dest_NK = plan
     buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
-    h_EH = _gelu(ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A))
-    out_ED = ops.grouped_mm(h_EH, w_out_SHD, order_A, rows_A)
+    a_EH = _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form)
+    out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
     y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
-    return y_ND, load_S, row_pair_E.shape[0], rows_A
+    return y_ND, dest_NK >= 0, row_pair_E.shape[0], rows_A
 
 
 # Up to this many characters go through the decode path (no plan): writing's one character per
@@ -198,32 +267,46 @@ DECODE_MAX_CHARS = 4
 
 
 def _wants_grad(tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _use_decode(N, cap, wants_grad: bool) -> bool:
+def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     """The decode path's conditions: a handful of characters; no capacity drop (one character
     never gives a slot two pairs, so a cap cannot bite); and, where a gradient is wanted, one
-    character, whose pairs have distinct slots (the weight gradient takes each slot once)."""
+    character, whose pairs have distinct slots (the weight gradient takes each slot once), none
+    of them skipped (a skipped pair borrows slot 0)."""
     if not 0 < N <= DECODE_MAX_CHARS or (cap and N > 1):
         return False
-    return N == 1 or not wants_grad
+    return not wants_grad or (N == 1 and not skipping)
 
 
-def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD):
+def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK):
     """A handful of characters without a plan: every (character, k) pair is its own one-row
     range, multiplied by its slot's weights (so only the routed slots' weights are read), and the
     same gather and deterministic gated combine as the grouped path. The trivial plan is built
-    on the host, so nothing synchronises."""
+    on the host, so nothing synchronises. A skipped pair (valid_NK False) runs on slot 0 with
+    gate 0: it adds nothing."""
     N, K = slot_idx_NK.shape
     dev = x_ND.device
+    if valid_NK is not None:
+        slot_idx_NK, gates_NK = torch.where(valid_NK, slot_idx_NK, 0), torch.where(valid_NK, gates_NK, 0)
     ids_R = slot_idx_NK.reshape(-1)
     rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
     pair_R = torch.arange(N * K, device=dev)
     x_RD = ops.bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
-    h_RH = _gelu(ops.grouped_mm(x_RD, w_in_SDH, ids_R, rows_R))
+    h_RH = _first_layer(ops, x_RD, w_in_SDH, b_in_SH, ids_R, rows_R, form)
     out_RD = ops.grouped_mm(h_RH, w_out_SHD, ids_R, rows_R)
     return ops.weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK), rows_R
+
+
+def _add_out_bias(y_ND, b_out_SD, slot_idx_NK, gates_NK, kept_NK):
+    """y + sum over the kept pairs of gate * b_out[slot]: the gates spread over the slots, [N, S],
+    times b_out (no [N, k, d] gather)."""
+    S = b_out_SD.shape[0]
+    w_NK = gates_NK if kept_NK is None else torch.where(kept_NK, gates_NK, 0)
+    ids_NK = slot_idx_NK if kept_NK is None else torch.where(kept_NK, slot_idx_NK, 0)
+    mix_NS = w_NK.new_zeros(w_NK.shape[0], S).scatter_add(1, ids_NK, w_NK)
+    return y_ND + mix_NS @ b_out_SD
 
 
 def resolve_path(path: str, device: torch.device) -> str:
@@ -240,54 +323,72 @@ def resolve_path(path: str, device: torch.device) -> str:
     return path
 
 
-def expert_mlp(x, slot_idx, gates, w_in, w_out, *, path: str = "auto", capacity_factor: float = 0.0,
-               return_stats: bool = False, bucketed: bool | None = None, n_valid: int | None = None):
-    """Apply the routed experts: y[n] = sum_j gates[n, j] * gelu(x[n] @ w_in[s]) @ w_out[s].
+def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str = "gelu", b_in=None, b_out=None,
+               alpha: float = 1.702, limit: float = 7.0, out_of_range_slots: str = "error", path: str = "auto",
+               capacity_factor: float = 0.0, return_stats: bool = False, bucketed: bool | None = None,
+               n_valid: int | None = None):
+    """Apply the routed experts: y[n] = sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s]
+    + b_out[s]), s = slot_idx[n, j].
 
-    x [N, d]; slot_idx [N, k] int64 in [0, S); gates [N, k]; w_in [S, d, h]; w_out [S, h, d], all
-    one dtype and device (inputs need not be contiguous). capacity_factor c > 0 caps each slot at
-    ceil(c * N * k / S) pairs, keeping the first in character order, then k order; dropped pairs
-    contribute nothing, identically on every path. bucketed (grouped and compiled paths) pads
-    each slot's rows to _bucket(load); None takes the path's default (grouped: True; compiled:
-    False on the CPU, True on GPUs). n_valid: the rows from n_valid on are padding (the model pads
-    a row's characters to _bucket sizes): they come last, so they never take a real pair's place
-    under a cap, and they count in no statistic and not in the cap. Returns y [N, d], or
-    (y, DispatchStats) with return_stats.
+    x [N, d]; slot_idx [N, k] int64 in [0, S); gates [N, k] (any floating dtype: computed in x's,
+    its gradient in its own); w_in [S, d, h] ([S, d, 2h] for the gated forms: gate and up); w_out
+    [S, h, d]; b_in [S, h or 2h] and b_out [S, d] optional; weights and biases in x's dtype, all on
+    x's device, of any strides (an nn.Linear-style [S, out, in] weight is passed as its .mT view:
+    nothing is copied). activation: one of ACTIVATIONS (alpha and limit are swiglu_oai's).
+    out_of_range_slots='skip': pairs whose slot is outside [0, S) (expert parallelism's ids of
+    experts held elsewhere) add nothing and get no gradient; 'error' (the default) refuses them.
+    capacity_factor c > 0 caps each slot at ceil(c * N * k / S) pairs, keeping the first in
+    character order, then k order; dropped pairs contribute nothing, identically on every path.
+    bucketed (grouped and compiled paths) pads each slot's rows to _bucket(load); None takes the
+    path's default (grouped: True; compiled: False on the CPU, True on GPUs). n_valid: the rows
+    from n_valid on are padding (the model pads a row's characters to _bucket sizes): they come
+    last, so they never take a real pair's place under a cap, and they count in no statistic and
+    not in the cap. Returns y [N, d], or (y, DispatchStats) with return_stats.
     """
-    _check_inputs(x, slot_idx, gates, w_in, w_out)
+    form = Form(activation, float(alpha), float(limit))
+    _check_inputs(x, slot_idx, gates, w_in, w_out, form, b_in, b_out, out_of_range_slots)
     N, K = slot_idx.shape
     S = w_in.shape[0]
     n_valid = N if n_valid is None else n_valid
     if not 0 <= n_valid <= N:
         raise ValueError(f"expert_mlp: n_valid must be in [0, N = {N}], got {n_valid}")
+    gates = gates.to(x.dtype)  # autograd returns its gradient in the gates' own dtype
+    skip = out_of_range_slots == "skip"
+    valid = ((slot_idx >= 0) & (slot_idx < S)) if skip else None
     cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
     if path == "rectangle":
-        y, _, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap)
+        y, kept, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid)
     else:
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
         if bucketed is None:
             bucketed = path == "grouped" or x.device.type != "cpu"
-        wants_grad = _wants_grad((x, gates, w_in, w_out))
-        if _use_decode(N, cap, wants_grad):
+        wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out))
+        if _use_decode(N, cap, wants_grad, skip):
             # Writing wants no gradient: the ops then run straight to their kernels, skipping the
             # Python autograd wrapper that registered ops pass through (~20 us per call).
             with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():
-                y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out)
-            executed = N * K  # nothing dropped, nothing padded
+                y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out, form, b_in, valid)
+            kept, executed = valid, N * K  # nothing dropped but the skipped, nothing padded
         else:
-            y, _, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed)
+            y, kept, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed, form, b_in,
+                                                 skip)
         groups = len(reference.groups(rows_A)) if return_stats else 0
+    if b_out is not None:
+        y = _add_out_bias(y, b_out, slot_idx, gates, kept)
     if not return_stats:
         return y
-    return y, dispatch_stats(slot_idx[:n_valid], S, cap, executed, groups)
+    return y, dispatch_stats(slot_idx[:n_valid], S, cap, executed, groups, None if valid is None else valid[:n_valid])
 
 
-def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, groups: int) -> DispatchStats:
+def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, groups: int,
+                   valid_NK: torch.Tensor | None = None) -> DispatchStats:
     """The statistics of a call from its real characters' routing: a capped slot keeps its first
-    `cap` pairs, so what it drops is what its count passes the cap by."""
-    routed = slot_idx_NK.numel()
-    count_S = torch.bincount(slot_idx_NK.reshape(-1), minlength=S).cpu()  # one copy from a GPU
+    `cap` pairs, so what it drops is what its count passes the cap by. valid_NK: the pairs whose
+    slot is here (skipped ones count nowhere)."""
+    ids = slot_idx_NK.reshape(-1) if valid_NK is None else slot_idx_NK[valid_NK]
+    routed = ids.numel()
+    count_S = torch.bincount(ids, minlength=S).cpu()  # one copy from a GPU
     max_load = int(count_S.max()) if routed else 0
     return DispatchStats(
         routed_pairs=routed,

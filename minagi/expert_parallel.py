@@ -53,7 +53,7 @@ def _counts(send_E: torch.Tensor, group) -> torch.Tensor:
 
 
 def ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_LDH, w_out_LHD, *, group, n_experts: int, path: str = "auto",
-                  n_valid: int | None = None):
+                  n_valid: int | None = None, activation: str = "gelu"):
     """y [N, D] = sum_k gates[n, k] * expert_{slot_idx[n, k]}(x[n]), with this rank holding experts
     [rank * L, (rank + 1) * L) of n_experts (w_in_LDH, w_out_LHD) and the group's other ranks the
     rest. Every rank of the group calls this with its own characters (possibly none). n_valid:
@@ -61,7 +61,7 @@ def ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_LDH, w_out_LHD, *, group, n_
     N = x_ND.shape[0]
     if n_valid is not None and n_valid < N:
         y_VD = ep_expert_mlp(x_ND[:n_valid], slot_idx_NK[:n_valid], gates_NK[:n_valid], w_in_LDH, w_out_LHD,
-                             group=group, n_experts=n_experts, path=path)
+                             group=group, n_experts=n_experts, path=path, activation=activation)
         return torch.cat([y_VD, y_VD.new_zeros(N - n_valid, y_VD.shape[1])])
     E, rank = dist.get_world_size(group), dist.get_rank(group)
     L = w_in_LDH.shape[0]
@@ -81,7 +81,7 @@ def ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_LDH, w_out_LHD, *, group, n_
     dist.all_to_all_single(local_I, local_R, recv, send, group=group)
     x_ID = _exchange(x_ND.index_select(0, torch.div(order_R, K, rounding_mode="floor")), recv, send, group)
     ones_I1 = torch.ones(local_I.shape[0], 1, dtype=x_ID.dtype, device=x_ID.device)
-    y_ID = expert_mlp(x_ID, local_I.unsqueeze(1), ones_I1, w_in_LDH, w_out_LHD, path=path)
+    y_ID = expert_mlp(x_ID, local_I.unsqueeze(1), ones_I1, w_in_LDH, w_out_LHD, activation=activation, path=path)
     y_RD = _exchange(y_ID, send, recv, group)  # back, in the sorted order of the pairs sent
     unsort_R = torch.empty_like(order_R)
     unsort_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)

@@ -20,7 +20,7 @@ from .balance import BALANCE_TERMS, BalanceInputs
 from .config import ModelConfig
 from .dispatch import DECODE_MAX_CHARS
 from .pool import Card, PooledMLP, init_experts
-from .reference import bucket
+from .reference import GATED, bucket
 
 VOCAB = 256  # every byte value: nothing is ever unknown
 NO_BYTE = VOCAB  # stands for the bytes before a window's first, in the n-gram codes
@@ -75,7 +75,8 @@ class ExpertPool(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_pool, self.n_slots = cfg.n_pool, cfg.n_slots
-        self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(cfg.n_pool, cfg.d_model, cfg.d_hidden))
+        self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
+            cfg.n_pool, cfg.d_model, cfg.d_hidden, gated=cfg.expert_activation in GATED))
         self.last_admitted = None  # pool rows on the card in the last forward: the optimizer's mask
         self.sharded = False  # expert parallelism keeps only this rank's experts (shard)
         if BALANCE_TERMS[cfg.balance].__dict__.get("adds_bias"):
@@ -148,7 +149,7 @@ class ByteModel(nn.Module):
         self.attn = Attention(D, cfg.n_heads)
         self.pool = ExpertPool(cfg)
         self.mlp = PooledMLP(D, cfg.d_hidden, cfg.n_slots, cfg.top_k, capacity_factor=cfg.capacity_factor,
-                             path=cfg.dispatch, own_card=False, gates=cfg.gates)
+                             path=cfg.dispatch, own_card=False, gates=cfg.gates, activation=cfg.expert_activation)
         self.halt = nn.Linear(D, 1)
         self.head = nn.Linear(D, VOCAB, bias=False)
         self.balance_term = BALANCE_TERMS[cfg.balance]()

@@ -46,7 +46,7 @@ def _fake_registrations(lib: str = "minagi") -> None:
         return gates.new_empty(gates.shape[0], n_slots)
 
     @torch.library.register_fake(f"{lib}::group_plan")
-    def _(slot_idx, n_slots, capacity, bucketed):
+    def _(slot_idx, n_slots, capacity, bucketed, skip_invalid=False):
         ctx = torch.library.get_ctx()
         A, E = ctx.new_dynamic_size(), ctx.new_dynamic_size()
         new = slot_idx.new_empty
@@ -72,6 +72,15 @@ def _fake_registrations(lib: str = "minagi") -> None:
     @torch.library.register_fake(f"{lib}::grouped_mm_wgrad")
     def _(a, grad, slot_ids, slot_rows, n_slots):
         return a.new_empty(n_slots, a.shape[1], grad.shape[1])
+
+    @torch.library.register_fake(f"{lib}::grouped_mm_act")
+    def _(a, b, bias, slot_ids, slot_rows, activation, alpha, limit):
+        M = b.shape[2]
+        return a.new_empty(a.shape[0], M), a.new_empty(a.shape[0], M // 2 if activation in reference.GATED else M)
+
+    @torch.library.register_fake(f"{lib}::expert_act_backward")
+    def _(grad, h, slot_ids, slot_rows, activation, alpha, limit, n_slots, bias_grad):
+        return h.new_empty(h.shape), h.new_empty((n_slots, h.shape[1]) if bias_grad else (0,))
 
 
 def _autograd_registrations(lib: str = "minagi") -> None:
@@ -147,6 +156,49 @@ def _autograd_registrations(lib: str = "minagi") -> None:
         return grad_a, grad_g, None, None, None
 
     torch.library.register_autograd(f"{lib}::grouped_mm_wgrad", wgrad_bwd, setup_context=wgrad_setup)
+
+    def act_setup(ctx, inputs, output):
+        a, b, bias, slot_ids, slot_rows, activation, alpha, limit = inputs
+        ctx.form, ctx.n_slots, ctx.has_bias = (activation, alpha, limit), b.shape[0], bias is not None
+        ctx.save_for_backward(a, b, slot_ids, slot_rows, output[0])
+
+    def act_bwd(ctx, grad_h, grad_out):
+        a, b, slot_ids, slot_rows, h = ctx.saved_tensors
+        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        if grad_out is None:
+            gh, gb = torch.zeros_like(h), None
+        elif torch.is_grad_enabled():  # a double backward: the differentiable twin, through h
+            gh, gb = reference.expert_act_backward(grad_out, h, slot_ids, slot_rows, *ctx.form, ctx.n_slots, want_bias)
+        else:
+            gh, gb = ops.expert_act_backward(grad_out, h, slot_ids, slot_rows, *ctx.form, ctx.n_slots, want_bias)
+        if grad_h is not None:  # h itself was used: its gradient joins the activation's
+            gh = gh + grad_h
+            if want_bias:
+                gb = gb + h.new_zeros(gb.shape).index_add(0, reference.row_slots(slot_ids, slot_rows), grad_h)
+        grad_a = ops.grouped_mm(gh, b.transpose(1, 2), slot_ids, slot_rows) if ctx.needs_input_grad[0] else None
+        grad_b = (ops.grouped_mm_wgrad(a, gh, slot_ids, slot_rows, ctx.n_slots)
+                  if ctx.needs_input_grad[1] else None)
+        return grad_a, grad_b, gb if want_bias else None, None, None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::grouped_mm_act", act_bwd, setup_context=act_setup)
+
+    def act_backward_setup(ctx, inputs, output):
+        grad, h, slot_ids, slot_rows, activation, alpha, limit, n_slots, bias_grad = inputs
+        ctx.args = (activation, alpha, limit, n_slots, bias_grad)
+        ctx.save_for_backward(grad, h, slot_ids, slot_rows)
+
+    def act_backward_bwd(ctx, g_gh, g_gb):
+        # Second derivatives of the forms, through the twin's autograd (only double backward and
+        # checks come here).
+        grad, h, slot_ids, slot_rows = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [grad.detach().requires_grad_(), h.detach().requires_grad_()]
+            gh, gb = reference.expert_act_backward(*leaves, slot_ids, slot_rows, *ctx.args)
+            pairs = [(o, g) for o, g in ((gh, g_gh), (gb, g_gb)) if g is not None and o.numel()]
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+        return grads[0], grads[1], None, None, None, None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::expert_act_backward", act_backward_bwd, setup_context=act_backward_setup)
 
 
 def _register() -> None:

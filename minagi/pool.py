@@ -14,6 +14,7 @@ from torch import nn
 
 from . import ops as _ops
 from .dispatch import dispatch_stats, expert_mlp
+from .reference import ACTIVATIONS, GATED
 from .expert_parallel import ep_expert_mlp
 
 
@@ -32,11 +33,12 @@ class RowRoute(NamedTuple):
     n_valid: int
 
 
-def init_experts(n: int, d_model: int, d_hidden: int, *, device=None, dtype=None, generator=None):
-    """Fresh (router [n, d], w_in [n, d, h], w_out [n, h, d]) for n experts."""
+def init_experts(n: int, d_model: int, d_hidden: int, *, device=None, dtype=None, generator=None, gated=False):
+    """Fresh (router [n, d], w_in [n, d, h] ([n, d, 2h] for a gated form), w_out [n, h, d])."""
     kw = {"device": device, "dtype": dtype}
     router = torch.empty(n, d_model, **kw).normal_(std=1.0 / math.sqrt(d_model), generator=generator)
-    w_in = torch.empty(n, d_model, d_hidden, **kw).normal_(std=1.0 / math.sqrt(d_model), generator=generator)
+    width = 2 * d_hidden if gated else d_hidden
+    w_in = torch.empty(n, d_model, width, **kw).normal_(std=1.0 / math.sqrt(d_model), generator=generator)
     w_out = torch.empty(n, d_hidden, d_model, **kw).normal_(std=1.0 / math.sqrt(d_hidden), generator=generator)
     return router, w_in, w_out
 
@@ -47,7 +49,7 @@ class PooledMLP(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, n_slots: int, top_k: int, *,
                  capacity_factor: float = 0.0, path: str = "auto", own_card: bool = True,
-                 gates: str = "chosen", device=None, dtype=None):
+                 gates: str = "chosen", activation: str = "gelu", device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= n_slots:
             raise ValueError(f"PooledMLP: top_k must be in [1, n_slots = {n_slots}], got {top_k}")
@@ -55,6 +57,9 @@ class PooledMLP(nn.Module):
         if gates not in ("chosen", "all"):
             raise ValueError(f"PooledMLP: gates must be 'chosen' or 'all', got {gates!r}")
         self.top_k, self.capacity_factor, self.path, self.gates = top_k, capacity_factor, path, gates
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"PooledMLP: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
         self.last_stats = None
         # Benchmarks set this to impose a routing shape: fn(x_ND, n_slots, top_k) -> (slot_idx, gates).
         self.force_routing = None
@@ -65,7 +70,7 @@ class PooledMLP(nn.Module):
         self.ep_group = None
         if own_card:  # else every forward is handed its card (the model's pool admits one)
             self.router, self.w_in, self.w_out = (nn.Parameter(t) for t in init_experts(
-                n_slots, d_model, d_hidden, device=device, dtype=dtype))
+                n_slots, d_model, d_hidden, device=device, dtype=dtype, gated=activation in GATED))
 
     def card(self) -> Card:
         if not hasattr(self, "w_in"):
@@ -117,12 +122,12 @@ class PooledMLP(nn.Module):
         path = self.path if type(self).grouped_dispatch else "rectangle"
         if self.ep_group is not None:
             y_ND = ep_expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, group=self.ep_group,
-                                 n_experts=router_SD.shape[0], path=path, n_valid=n_valid)
+                                 n_experts=router_SD.shape[0], path=path, n_valid=n_valid, activation=self.activation)
             K = slot_idx_NK.shape[1]
             stats = (dispatch_stats(slot_idx_NK[:n_valid], router_SD.shape[0], 0, n_valid * K, 0)
                      if return_stats else None)
         else:
-            result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, path=path,
+            result = expert_mlp(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, activation=self.activation, path=path,
                                 capacity_factor=self.capacity_factor, return_stats=return_stats, n_valid=n_valid)
             y_ND, stats = result if return_stats else (result, None)
         self.last_stats = stats  # None unless asked for: the statistics cost host syncs
@@ -132,4 +137,5 @@ class PooledMLP(nn.Module):
     def extra_repr(self) -> str:
         S, D, H = self.n_slots, self.d_model, self.d_hidden
         return (f"n_slots={S}, d_model={D}, d_hidden={H}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, path={self.path!r}, gates={self.gates!r}")
+                f"capacity_factor={self.capacity_factor}, path={self.path!r}, gates={self.gates!r}, "
+                f"activation={self.activation!r}")

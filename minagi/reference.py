@@ -15,6 +15,37 @@ import torch.nn.functional as F
 
 _NEG_INF = float("-inf")
 
+# The expert forms (csrc/activation.h holds the compiled ones, in this order): plain activations
+# of h [.., H], and gated ones of h [.., 2H] = gate and up (halves, or alternating columns).
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai")
+GATED = ("swiglu", "swiglu_interleaved", "swiglu_oai")
+
+
+def activate(h, activation: str, alpha: float = 1.702, limit: float = 7.0):
+    """The form's activation of h: [.., H] for the plain forms, [.., 2H] -> [.., H] for the gated."""
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if activation == "silu":
+        return F.silu(h)
+    if activation == "relu2":
+        return F.relu(h).square()
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "swiglu_interleaved":
+        return F.silu(h[..., 0::2]) * h[..., 1::2]
+    if activation == "swiglu_oai":  # GPT-OSS: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        gate, up = h[..., 0::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
+        return (up + 1) * gate * torch.sigmoid(alpha * gate)
+    raise ValueError(f"unknown activation {activation!r}; the forms are {', '.join(ACTIVATIONS)}")
+
+
+def row_slots(slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor) -> torch.Tensor:
+    """The slot of every row of a plan's buffer, [E]."""
+    return torch.repeat_interleave(slot_ids_A, slot_rows_A.to(slot_ids_A.device))
+
 
 def bucket(n: int) -> int:
     """_bucket(n): powers of two up to 128, then multiples of 128 (0 for 0)."""
@@ -66,20 +97,24 @@ def slot_ranks(flat_R: torch.Tensor, n_slots: int):
     return rank_R, count_S
 
 
-def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed: bool):
+def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed: bool, skip_invalid: bool = False):
     """The dispatch plan; see the schema in csrc/ops.cpp."""
     N, K = slot_idx_NK.shape
     dev = slot_idx_NK.device
     flat_R = slot_idx_NK.reshape(-1)
-    rank_R, count_S = slot_ranks(flat_R, n_slots)
+    valid_R = (flat_R >= 0) & (flat_R < n_slots)
+    if skip_invalid:  # out-of-range ids: a slot of their own past the end, dropped below
+        flat_R = torch.where(valid_R, flat_R, n_slots)
+    rank_R, count_S = slot_ranks(flat_R, n_slots + 1 if skip_invalid else n_slots)
+    count_S = count_S[:n_slots]
     load_S = count_S.clamp(max=capacity) if capacity > 0 else count_S
-    kept_R = rank_R < load_S[flat_R]
+    kept_R = rank_R < torch.cat([load_S, load_S.new_zeros(1)])[flat_R] if skip_invalid else rank_R < load_S[flat_R]
 
     active_A = torch.nonzero(load_S > 0).reshape(-1)
     slot_order_A = active_A[torch.sort(load_S[active_A], stable=True).indices]
     slot_rows_A = bucket_tensor(load_S[slot_order_A]) if bucketed else load_S[slot_order_A]
     start_A = torch.cumsum(slot_rows_A, 0) - slot_rows_A
-    start_S = torch.full((n_slots,), -1, dtype=torch.long, device=dev)
+    start_S = torch.full((n_slots + 1,), -1, dtype=torch.long, device=dev)
     start_S[slot_order_A] = start_A
 
     dest_R = torch.where(kept_R, start_S[flat_R] + rank_R, -1)
@@ -140,8 +175,8 @@ def grouped_mm(a_EI, b_SIO, slot_ids_A, slot_rows_A):
     w_AIO = b_SIO.index_select(0, slot_ids_A)  # one gather per call, split into views below
     outs, row, slot = [], 0, 0
     for n_slots, rows in groups(slot_rows_A):
-        a_GCI = a_EI[row:row + n_slots * rows].view(n_slots, rows, -1)
-        outs.append(torch.bmm(a_GCI, w_AIO[slot:slot + n_slots]).reshape(n_slots * rows, -1))
+        a_GCI = a_EI[row:row + n_slots * rows].view(n_slots, rows, a_EI.shape[1])
+        outs.append(torch.bmm(a_GCI, w_AIO[slot:slot + n_slots]).reshape(n_slots * rows, b_SIO.shape[2]))
         row += n_slots * rows
         slot += n_slots
     if row != a_EI.shape[0]:
@@ -154,11 +189,31 @@ def grouped_mm(a_EI, b_SIO, slot_ids_A, slot_rows_A):
 def grouped_mm_wgrad(a_EI, grad_EO, slot_ids_A, slot_rows_A, n_slots: int):
     outs, row = [], 0
     for n_group, rows in groups(slot_rows_A):
-        a_GCI = a_EI[row:row + n_group * rows].view(n_group, rows, -1)
-        g_GCO = grad_EO[row:row + n_group * rows].view(n_group, rows, -1)
+        a_GCI = a_EI[row:row + n_group * rows].view(n_group, rows, a_EI.shape[1])
+        g_GCO = grad_EO[row:row + n_group * rows].view(n_group, rows, grad_EO.shape[1])
         outs.append(torch.bmm(a_GCI.transpose(1, 2), g_GCO))
         row += n_group * rows
     out_SIO = a_EI.new_zeros(n_slots, a_EI.shape[1], grad_EO.shape[1]) + _graph_zero(a_EI, grad_EO)
     if outs:
         out_SIO = out_SIO.index_add(0, slot_ids_A, torch.cat(outs))
     return out_SIO
+
+
+def grouped_mm_act(a_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation: str, alpha: float, limit: float):
+    """h = grouped_mm(a, b) + bias[slot of each row], and the form's activation of h."""
+    h_EM = grouped_mm(a_EK, b_SKM, slot_ids_A, slot_rows_A)
+    if bias_SM is not None:
+        h_EM = h_EM + bias_SM.index_select(0, row_slots(slot_ids_A, slot_rows_A))
+    return h_EM, activate(h_EM, activation, alpha, limit)
+
+
+def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str, alpha: float, limit: float,
+                        n_slots: int, bias_grad: bool):
+    """h's gradient through the activation, and per slot the column sums of it (the bias's)."""
+    with torch.enable_grad():
+        h = h_EM if h_EM.requires_grad else h_EM.detach().requires_grad_()
+        (grad_h_EM,) = torch.autograd.grad(activate(h, activation, alpha, limit), h, grad_EW, create_graph=True)
+    if not bias_grad:
+        return grad_h_EM, h_EM.new_zeros(0)
+    grad_b_SM = h_EM.new_zeros(n_slots, h_EM.shape[1]).index_add(0, row_slots(slot_ids_A, slot_rows_A), grad_h_EM)
+    return grad_h_EM, grad_b_SM

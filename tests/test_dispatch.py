@@ -127,7 +127,7 @@ def _bad(**overrides):
     ({"slot_idx": torch.full((5, 2), -1)}, "slot_idx holds -1"),
     ({"slot_idx": torch.zeros(5, 4, dtype=torch.long), "gates": torch.ones(5, 4)}, "top_k .* must be in \\[1, S = 3\\]"),
     ({"gates": torch.ones(5, 3)}, "gates must have slot_idx's shape"),
-    ({"gates": torch.ones(5, 2, dtype=torch.float64)}, "gates is torch.float64 but x is torch.float32"),
+    ({"gates": torch.ones(5, 2, dtype=torch.long)}, "gates must be a floating-point tensor, got torch.int64"),
     ({"w_in": torch.randn(3, 5, 6)}, "w_in.shape\\[1\\] \\(5\\) must equal x.shape\\[1\\] \\(4\\)"),
     ({"w_out": torch.randn(3, 6, 5)}, "w_out must be \\[S, h, d\\]"),
     ({"w_in": torch.randn(4, 6)}, "w_in must be \\[S, d, h\\]"),

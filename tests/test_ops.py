@@ -420,19 +420,23 @@ def test_debug_checks_range_check_indices_on_the_host_first():
         assert ("MINAGI_DEBUG_CHECKS" in r.stderr) == (switch == "1")
 
 
-def test_bucketed_gelu_equals_gelu_in_a_bucketed_allocation_that_is_no_view():
-    from minagi.dispatch import BucketedGelu
+@pytest.mark.parametrize("activation", ["gelu", "swiglu_oai", "relu2"])
+def test_bucketed_activation_equals_the_form_in_a_bucketed_allocation_that_is_no_view(activation):
+    from minagi.dispatch import BucketedAct, Form
 
-    h = torch.randn(300, 7, dtype=torch.float64, requires_grad=True)
-    y = BucketedGelu.apply(h)
+    form = Form(activation)
+    width = 14 if activation == "swiglu_oai" else 7
+    h = (torch.randn(300, width, dtype=torch.float64) * 4).requires_grad_()
+    y = BucketedAct.apply(h, form)
     assert y._base is None and y.untyped_storage().nbytes() == 384 * 7 * 8  # _bucket(300) = 384 rows
-    torch.testing.assert_close(y, torch.nn.functional.gelu(h))
+    torch.testing.assert_close(y, form.act(h))
     g = torch.randn(300, 7, dtype=torch.float64)
     (gh,) = torch.autograd.grad(y, h, g, create_graph=True)
-    (want,) = torch.autograd.grad(torch.nn.functional.gelu(h), h, g, create_graph=True)
+    (want,) = torch.autograd.grad(form.act(h), h, g, create_graph=True)
     torch.testing.assert_close(gh, want)
-    assert torch.autograd.gradcheck(BucketedGelu.apply, (torch.randn(5, 3, dtype=torch.float64, requires_grad=True),))
-    assert torch.autograd.gradgradcheck(BucketedGelu.apply, (torch.randn(5, 3, dtype=torch.float64, requires_grad=True),))
+    small = (torch.randn(5, width // 7 * 3, dtype=torch.float64) + 0.3).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: BucketedAct.apply(t, form), (small,))
+    assert torch.autograd.gradgradcheck(lambda t: BucketedAct.apply(t, form), (small,))
     with torch.no_grad():
-        out = BucketedGelu.backward(type("Ctx", (), {"saved_tensors": (h.detach(),)})(), g)
-    assert out._base is None and out.untyped_storage().nbytes() == 384 * 7 * 8
+        out, _ = BucketedAct.backward(type("Ctx", (), {"saved_tensors": (h.detach(),), "form": form})(), g)
+    assert out._base is None and out.untyped_storage().nbytes() == 384 * width * 8

@@ -61,13 +61,18 @@ def test_writing_reads_only_top_k_experts_per_row(monkeypatch):
     model = _halting_model(n_pool=8, n_slots=8, top_k=2)
     touched = []
     table = ops.best(torch.device("cpu"))
-    real = table.grouped_mm
+    real, real_act = table.grouped_mm, table.grouped_mm_act
 
     def spy(a, b, slot_ids, slot_rows):
         touched.append(slot_ids.numel())
         return real(a, b, slot_ids, slot_rows)
 
+    def spy_act(a, b, bias, slot_ids, slot_rows, *form):  # the first GEMM, with the activation
+        touched.append(slot_ids.numel())
+        return real_act(a, b, bias, slot_ids, slot_rows, *form)
+
     monkeypatch.setattr(table, "grouped_mm", spy)
+    monkeypatch.setattr(table, "grouped_mm_act", spy_act)
     monkeypatch.setattr(ops, "best", lambda device: table)
     monkeypatch.setattr(ops, "compiled", lambda: table)
     monkeypatch.setattr(ops, "REFERENCE", table)

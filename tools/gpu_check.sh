@@ -10,7 +10,11 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
 start=$SECONDS
-echo "== build (MINAGI_ARCHS=${MINAGI_ARCHS:-torch default})"
+# The system's compiler where there is one: an extension built by another g++ (a device image's
+# CXX=/opt/gcc/bin/g++) carried its own libstdc++ stream code, and every error the extension
+# raised (TORCH_CHECK's message) crashed the process instead.
+[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+echo "== build (MINAGI_ARCHS=${MINAGI_ARCHS:-torch default}, CXX=${CXX:-default})"
 MINAGI_REQUIRE_EXT=1 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || {
   tail -40 "$out/build.log"; echo "gpu_check: build FAILED after $((SECONDS-start)) s"; exit 1; }
 echo "built in $((SECONDS-start)) s"

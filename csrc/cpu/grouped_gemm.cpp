@@ -156,31 +156,187 @@ MINAGI_SIMD_CLONES void small_rows_mm(const scalar_t* __restrict a, int64_t lda,
   }
 }
 
-at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
-                          const at::Tensor& slot_rows) {
-  const char* op = "grouped_mm";
-  check_grouped_mm_args(a_in, b);
-  const at::Tensor a = a_in.contiguous();
-  const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), op, false);
-  at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
+// small_rows_mm for a slot's weights stored column-major ([K, M] with unit stride along K: the
+// .mT view of an nn.Linear-style [M, K] weight): each output column is one contiguous dot per
+// row, so the weights are still read once, in place.
+template <typename scalar_t>
+MINAGI_SIMD_CLONES void small_rows_mm_cols(const scalar_t* __restrict a, int64_t lda, const scalar_t* __restrict b,
+                                           int64_t ldc, scalar_t* __restrict out, int64_t ldo, int64_t nr, int64_t K,
+                                           int64_t M) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t m = 0; m < M; ++m) {
+    const scalar_t* w = b + m * ldc;
+    acc_t y[kSmallRows] = {};
+    for (int64_t r = 0; r < nr; ++r) {
+      const scalar_t* x = a + r * lda;
+      acc_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += static_cast<acc_t>(x[k]) * static_cast<acc_t>(w[k]);
+      y[r] = acc;
+    }
+    for (int64_t r = 0; r < nr; ++r) out[r * ldo + m] = static_cast<scalar_t>(y[r]);
+  }
+}
+
+// out = a's row ranges times their slots' weights (b read in place, any strides), one part at a
+// time; epilogue(slot, row0, rows) runs right after each part's GEMM on the same thread, while
+// the part's output rows are still in cache.
+template <typename Epilogue>
+void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_ids,
+                     const std::vector<int64_t>& start, at::Tensor& out, Epilogue&& epilogue) {
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
   const int64_t K = a.size(1), M = b.size(2);
-  const bool row_major_b = b.stride(2) == 1;
+  const bool row_major_b = b.stride(2) == 1, col_major_b = b.stride(1) == 1;
   run_parts(parts, [&](const Part& p) {
     const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
     if (hi <= lo) return;
-    if (hi - lo <= kSmallRows && row_major_b) {
+    if (hi - lo <= kSmallRows && (row_major_b || col_major_b)) {
       MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm", [&] {
-        small_rows_mm<scalar_t>(a.data_ptr<scalar_t>() + (p.r0 + lo) * K, K,
-                                b.data_ptr<scalar_t>() + p.slot * b.stride(0), b.stride(1),
-                                out.data_ptr<scalar_t>() + (p.r0 + lo) * M, M, hi - lo, K, M);
+        const scalar_t* ap = a.data_ptr<scalar_t>() + (p.r0 + lo) * K;
+        const scalar_t* bp = b.data_ptr<scalar_t>() + p.slot * b.stride(0);
+        scalar_t* op = out.data_ptr<scalar_t>() + (p.r0 + lo) * M;
+        if (row_major_b) {
+          small_rows_mm<scalar_t>(ap, K, bp, b.stride(1), op, M, hi - lo, K, M);
+        } else {
+          small_rows_mm_cols<scalar_t>(ap, K, bp, b.stride(2), op, M, hi - lo, K, M);
+        }
+      });
+    } else {
+      at::Tensor o = out.narrow(0, p.r0 + lo, hi - lo);
+      at::cpu::mm_out(o, a.narrow(0, p.r0 + lo, hi - lo), b.select(0, p.slot));
+    }
+    epilogue(p.slot, p.r0 + lo, hi - lo);
+  });
+}
+
+at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
+                          const at::Tensor& slot_rows) {
+  check_grouped_mm_args(a_in, b);
+  const at::Tensor a = a_in.contiguous();
+  const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), "grouped_mm", false);
+  at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
+  grouped_mm_into(a, b, slot_ids, start, out, [](int64_t, int64_t, int64_t) {});
+  return out;
+}
+
+// Bias and activation of rows [r0, r0 + nr) of h (one slot's), into out.
+template <typename scalar_t>
+void bias_act_rows(Act act, scalar_t* h, const scalar_t* bias, scalar_t* out, int64_t r0, int64_t nr, int64_t M,
+                   double alpha, double limit) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t W = act_gated(act) ? M / 2 : M;
+  const acc_t al = static_cast<acc_t>(alpha), li = static_cast<acc_t>(limit);
+  for (int64_t r = r0; r < r0 + nr; ++r) {
+    scalar_t* hr = h + r * M;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < M; ++c) hr[c] = static_cast<scalar_t>(static_cast<acc_t>(hr[c]) + static_cast<acc_t>(bias[c]));
+    }
+    scalar_t* o = out + r * W;
+    if (!act_gated(act)) {
+      for (int64_t c = 0; c < M; ++c) o[c] = static_cast<scalar_t>(act_plain<acc_t>(act, static_cast<acc_t>(hr[c])));
+      continue;
+    }
+    for (int64_t j = 0; j < W; ++j) {
+      int64_t g, u;
+      gated_cols(act, j, W, &g, &u);
+      o[j] = static_cast<scalar_t>(
+          act_gated_fwd<acc_t>(act, static_cast<acc_t>(hr[g]), static_cast<acc_t>(hr[u]), al, li));
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cpu(const at::Tensor& a_in, const at::Tensor& b,
+                                                      const c10::optional<at::Tensor>& bias_in,
+                                                      const at::Tensor& slot_ids, const at::Tensor& slot_rows,
+                                                      c10::string_view activation, double alpha, double limit) {
+  const Act act = check_grouped_mm_act_args(a_in, b, bias_in, std::string(activation));
+  const at::Tensor a = a_in.contiguous();
+  const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), "grouped_mm_act", false);
+  const int64_t M = b.size(2);
+  at::Tensor h = empty_output({a.size(0), M}, a.options());
+  at::Tensor out = empty_output({a.size(0), act_gated(act) ? M / 2 : M}, a.options());
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm_act", [&] {
+    scalar_t* hp = h.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* bp = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+    grouped_mm_into(a, b, slot_ids, start, h, [&](int64_t slot, int64_t r0, int64_t nr) {
+      bias_act_rows<scalar_t>(act, hp, bp == nullptr ? nullptr : bp + slot * M, op, r0, nr, M, alpha, limit);
+    });
+  });
+  return {h, out};
+}
+
+// grad_h for rows [r0, r0 + nr) from out's gradient; with acc, the rows' column sums added to it.
+template <typename scalar_t, typename acc_t>
+void act_backward_rows(Act act, const scalar_t* grad, const scalar_t* h, scalar_t* gh, int64_t r0, int64_t nr,
+                       int64_t M, acc_t al, acc_t li, acc_t* acc) {
+  const int64_t W = act_gated(act) ? M / 2 : M;
+  for (int64_t r = r0; r < r0 + nr; ++r) {
+    const scalar_t* gr = grad + r * W;
+    const scalar_t* hr = h + r * M;
+    scalar_t* o = gh + r * M;
+    if (!act_gated(act)) {
+      for (int64_t c = 0; c < M; ++c) {
+        const acc_t v = static_cast<acc_t>(gr[c]) * act_plain_grad<acc_t>(act, static_cast<acc_t>(hr[c]));
+        o[c] = static_cast<scalar_t>(v);
+        if (acc != nullptr) acc[c] += static_cast<acc_t>(o[c]);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < W; ++j) {
+      int64_t g, u;
+      gated_cols(act, j, W, &g, &u);
+      acc_t dg, du;
+      act_gated_bwd<acc_t>(act, static_cast<acc_t>(hr[g]), static_cast<acc_t>(hr[u]), al, li,
+                           static_cast<acc_t>(gr[j]), &dg, &du);
+      o[g] = static_cast<scalar_t>(dg);
+      o[u] = static_cast<scalar_t>(du);
+      if (acc != nullptr) {
+        acc[g] += static_cast<acc_t>(o[g]);
+        acc[u] += static_cast<acc_t>(o[u]);
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& grad_in, const at::Tensor& h_in,
+                                                           const at::Tensor& slot_ids, const at::Tensor& slot_rows,
+                                                           c10::string_view activation, double alpha, double limit,
+                                                           int64_t n_slots, bool bias_grad) {
+  const Act act = check_act_backward_args(grad_in, h_in, std::string(activation), n_slots);
+  const at::Tensor grad = grad_in.contiguous(), h = h_in.contiguous();
+  const auto start = range_starts(slot_ids, slot_rows, h.size(0), n_slots, "expert_act_backward", bias_grad);
+  const int64_t E = h.size(0), M = h.size(1);
+  at::Tensor gh = empty_output({E, M}, h.options());
+  at::Tensor gb = bias_grad ? at::zeros({n_slots, M}, h.options()) : at::empty({0}, h.options());
+  const at::Tensor ids = slot_ids.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t A = ids.size(0);
+  MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_expert_act_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    const scalar_t* hp = h.data_ptr<scalar_t>();
+    scalar_t* ghp = gh.data_ptr<scalar_t>();
+    const acc_t al = static_cast<acc_t>(alpha), li = static_cast<acc_t>(limit);
+    if (!bias_grad) {  // elementwise: rows shared out evenly
+      at::parallel_for(0, E, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)), [&](int64_t b, int64_t e) {
+        act_backward_rows<scalar_t, acc_t>(act, gp, hp, ghp, b, e - b, M, al, li, nullptr);
       });
       return;
     }
-    at::Tensor o = out.narrow(0, p.r0 + lo, hi - lo);
-    at::cpu::mm_out(o, a.narrow(0, p.r0 + lo, hi - lo), b.select(0, p.slot));
+    // Each slot's rows on one thread, in order: its bias gradient is a fixed-order sum.
+    scalar_t* gbp = gb.data_ptr<scalar_t>();
+    at::parallel_for(0, A, 1, [&](int64_t b, int64_t e) {
+      std::vector<acc_t> acc(M);
+      for (int64_t i = b; i < e; ++i) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        act_backward_rows<scalar_t, acc_t>(act, gp, hp, ghp, start[i], start[i + 1] - start[i], M, al, li, acc.data());
+        for (int64_t c = 0; c < M; ++c) gbp[ip[i] * M + c] = static_cast<scalar_t>(acc[c]);
+      }
+    });
   });
-  return out;
+  return {gh, gb};
 }
 
 at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_in,
@@ -219,6 +375,8 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
 TORCH_LIBRARY_IMPL(minagi, CPU, m) {
   m.impl("grouped_mm", &grouped_mm_cpu);
   m.impl("grouped_mm_wgrad", &grouped_mm_wgrad_cpu);
+  m.impl("grouped_mm_act", &grouped_mm_act_cpu);
+  m.impl("expert_act_backward", &expert_act_backward_cpu);
 }
 
 }  // namespace minagi

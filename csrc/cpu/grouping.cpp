@@ -12,8 +12,8 @@ namespace minagi {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_plan_cpu(
-    const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed) {
-  check_group_plan_args(slot_idx_in, n_slots, capacity);
+    const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed, bool skip_invalid) {
+  check_group_plan_args(slot_idx_in, n_slots, capacity, skip_invalid);
   const at::Tensor idx = slot_idx_in.contiguous();
   const int64_t N = idx.size(0), k = idx.size(1), R = N * k;
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -22,8 +22,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   std::vector<int64_t> count(n_slots, 0);
   for (int64_t i = 0; i < R; ++i) {
     const int64_t s = ip[i];
+    if (skip_invalid && (s < 0 || s >= n_slots)) continue;
     TORCH_CHECK(s >= 0 && s < n_slots, "minagi.group_plan: slot_idx holds ", s, " at character ",
-                i / k, ", position ", i % k, ", outside [0, n_slots=", n_slots, ")");
+                i / k, ", position ", i % k, ", outside [0, n_slots=", n_slots,
+                ") (ids of experts held elsewhere: out_of_range_slots=\"skip\" drops them)");
     ++count[s];
   }
   at::Tensor load = at::empty({n_slots}, lopt);
@@ -56,6 +58,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   std::vector<int64_t> fill(n_slots, 0);
   for (int64_t i = 0; i < R; ++i) {
     const int64_t s = ip[i];
+    if (s < 0 || s >= n_slots) continue;  // skipped (checked above)
     const int64_t r = fill[s]++;
     if (r < lp[s]) {
       dp[i] = start[s] + r;

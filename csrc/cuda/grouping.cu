@@ -13,8 +13,8 @@ namespace minagi {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_plan_cuda(
-    const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed) {
-  check_group_plan_args(slot_idx_in, n_slots, capacity);
+    const at::Tensor& slot_idx_in, int64_t n_slots, int64_t capacity, bool bucketed, bool skip_invalid) {
+  check_group_plan_args(slot_idx_in, n_slots, capacity, skip_invalid);
   check_gpu_slots(n_slots, "group_plan");
   const c10::cuda::CUDAGuard guard(slot_idx_in.device());
   const at::Tensor idx = slot_idx_in.contiguous();
@@ -27,6 +27,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
 
   at::Tensor chunk_count = gpu::bucketed_empty(std::max<int64_t>(1, S * n_chunks), {}, lopt.dtype(at::kInt));
   at::Tensor total = at::zeros({S}, lopt);
+  if (R > 0 && !skip_invalid) {
+    gpu::slot_range_kernel<<<gpu::blocks_for(R), gpu::kThreads, 0, stream>>>(idx.data_ptr<int64_t>(), R, S);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if (R > 0) {
     gpu::chunk_hist_kernel<<<n_chunks, gpu::kChunk, S * sizeof(int), stream>>>(idx.data_ptr<int64_t>(), R, S, n_chunks,
                                                                      chunk_count.data_ptr<int>());
@@ -52,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   at::Tensor row_pair = gpu::bucketed_empty(E, {}, lopt).fill_(-1);
   at::Tensor dest = at::empty({N, k}, lopt);
   if (R > 0) {
-    gpu::fill_kernel<<<n_chunks, gpu::kChunk, 0, stream>>>(idx.data_ptr<int64_t>(), R, n_chunks, chunk_count.data_ptr<int>(),
+    gpu::fill_kernel<<<n_chunks, gpu::kChunk, 0, stream>>>(idx.data_ptr<int64_t>(), R, S, n_chunks, chunk_count.data_ptr<int>(),
                                                  load.data_ptr<int64_t>(), start.data_ptr<int64_t>(),
                                                  dest.data_ptr<int64_t>(), row_pair.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -23,12 +23,19 @@ __global__ void chunk_hist_kernel(const int64_t* __restrict__ idx, int64_t R, in
   const int64_t i = blockIdx.x * static_cast<int64_t>(kChunk) + threadIdx.x;
   if (i < R) {
     const int64_t s = idx[i];
-    CUDA_KERNEL_ASSERT(s >= 0 && s < S && "minagi.group_plan: slot_idx outside [0, n_slots)");
-    atomicAdd(hist + s, 1);
+    if (s >= 0 && s < S) atomicAdd(hist + s, 1);  // out of range: dropped (checked by slot_range_kernel unless skipped)
   }
   __syncthreads();
   // Slot-major, so each slot's scan over chunks reads one contiguous run.
   for (int s = threadIdx.x; s < S; s += blockDim.x) chunk_count[s * n_chunks + blockIdx.x] = hist[s];
+}
+
+// Without skip_invalid every slot id must be in [0, S): a device assert, as the other kernels'.
+__global__ void slot_range_kernel(const int64_t* __restrict__ idx, int64_t R, int S) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    CUDA_KERNEL_ASSERT(idx[i] >= 0 && idx[i] < S && "minagi.group_plan: slot_idx outside [0, n_slots)");
+  }
 }
 
 __global__ void slot_scan_kernel(int* __restrict__ chunk_count, int S, int64_t n_chunks, int64_t* __restrict__ total) {
@@ -93,7 +100,7 @@ __global__ void plan_kernel(const int64_t* __restrict__ total, int S, int64_t ca
   }
 }
 
-__global__ void fill_kernel(const int64_t* __restrict__ idx, int64_t R, int64_t n_chunks,
+__global__ void fill_kernel(const int64_t* __restrict__ idx, int64_t R, int S, int64_t n_chunks,
                             const int* __restrict__ chunk_offset, const int64_t* __restrict__ load,
                             const int64_t* __restrict__ start, int64_t* __restrict__ dest,
                             int64_t* __restrict__ row_pair) {
@@ -103,6 +110,10 @@ __global__ void fill_kernel(const int64_t* __restrict__ idx, int64_t R, int64_t 
   __syncthreads();
   if (i >= R) return;
   const int64_t s = slots[threadIdx.x];
+  if (s < 0 || s >= S) {  // a skipped id (skip_invalid): a dropped pair
+    dest[i] = -1;
+    return;
+  }
   int64_t rank = chunk_offset[s * n_chunks + blockIdx.x];
   for (int t = 0; t < static_cast<int>(threadIdx.x); ++t) rank += slots[t] == s;
   if (rank < load[s]) {

@@ -39,6 +39,7 @@ from ..config import Config, ModelConfig, load
 from ..data import Batches, load_corpus
 from ..evaluate import bits_per_byte
 from ..model import NO_BYTE, VOCAB, ngram_codes
+from ..reference import GATED
 from ..trainer import build
 
 MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi", "minagi-wide")
@@ -106,7 +107,8 @@ def minagi_macs(m: ModelConfig, context: int) -> float:
     projection (4 d^2), attention, the router over the card, top_k experts' two matmuls, the
     halting unit; once per character the admission affinity over the pool and the head."""
     D = m.d_model
-    per_row = 4 * D * D + D * (context + 1) + m.n_slots * D + m.top_k * 2 * D * m.d_hidden + D
+    mlp = (3 if m.expert_activation in GATED else 2) * D * m.d_hidden  # a gated form's w_in is 2h wide
+    per_row = 4 * D * D + D * (context + 1) + m.n_slots * D + m.top_k * mlp + D
     return m.max_rows * per_row + m.n_pool * D + D * VOCAB
 
 

@@ -113,7 +113,7 @@ class Load:
                           for _ in range(os.cpu_count() or 1)]
         elif kind == "train":
             self.procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--quiet", *cfg_args, "--steps",
-                                            "1000000", "--out", str(work / "load-train")],
+                                            "1000000", "--out", str(work / "beside-train")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         elif kind == "build":
             from torch.utils.cpp_extension import include_paths
@@ -121,7 +121,7 @@ class Load:
             inc = " ".join(f"-I{p}" for p in include_paths())
             src = ROOT / "csrc" / "cpu" / "grouped_gemm.cpp"
             self.procs = [subprocess.Popen(["sh", "-c", f"while true; do c++ -std=c++17 -O2 {inc} -c {src} "
-                                                        f"-o {work / 'load.o'}; done"],
+                                                        f"-o {work / 'beside-build.o'}; done"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                            start_new_session=True)]
         elif kind != "quiet":
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
           f"runs in {work}", flush=True)
     print(f"{'run':<10} {'load':<6} {'signal':<8} {'moment':<11} {'stopped':<8} verdict", flush=True)
     for i, kind in enumerate(args.loads.split(",") if args.loads else []):
-        out = work / f"load-{kind}"
+        out = work / f"again-{kind}"
         load = Load(kind, work, cfg_args)
         try:
             r = _run(_command(args, out, cfg_args, False), env)

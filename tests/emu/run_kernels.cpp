@@ -135,7 +135,7 @@ void run_group_plan(const Case& c) {
   std::vector<int64_t> row_pair(E, -1);
   auto dest = empty<int64_t>(R);
   if (R > 0) {
-    launch(fill_kernel, dim3(n_chunks), dim3(kChunk), 0, idx.data(), R, n_chunks, chunk_count.data(), load.data(),
+    launch(fill_kernel, dim3(n_chunks), dim3(kChunk), 0, idx.data(), R, S, n_chunks, chunk_count.data(), load.data(),
            start.data(), dest.data(), row_pair.data());
   }
   c.write("load", load);

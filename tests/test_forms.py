@@ -1,0 +1,236 @@
+"""Every expert form (gelu, gelu_tanh, silu, relu2, swiglu, swiglu_interleaved, swiglu_oai) on every
+path, with and without biases, with contiguous weights and with .mT views of [S, out, in] ones,
+against a plain-Python float64 loop: outputs and the gradients of x, the gates, the weights and
+the biases. Then the compiled ops' checks (opcheck, gradcheck, gradgradcheck), out-of-range slots,
+gates in another dtype, the degenerate equivalences and the errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minagi import expert_mlp
+from minagi.reference import ACTIVATIONS, GATED, activate
+
+from cases import random_routing
+from conftest import EXT, assert_close, requires_ext
+
+PATHS = ["rectangle", "grouped"] + (["compiled"] if EXT else [])
+OAI = {"alpha": 1.702, "limit": 7.0}
+
+
+def oracle(x, idx, gates, w_in, w_out, act, b_in=None, b_out=None, skip=False):
+    """y[n] = sum_j g[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s] + b_out[s]), one pair at a time."""
+    S = w_in.shape[0]
+    rows = []
+    for n in range(x.shape[0]):
+        y = x.new_zeros(x.shape[1])
+        for j in range(idx.shape[1]):
+            s = int(idx[n, j])
+            if skip and not 0 <= s < S:
+                continue
+            h = x[n] @ w_in[s] + (b_in[s] if b_in is not None else 0)
+            out = activate(h, act, **OAI) @ w_out[s] + (b_out[s] if b_out is not None else 0)
+            y = y + gates[n, j] * out
+        rows.append(y)
+    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
+
+
+def problem(act, dtype, bias, layout, N=19, S=5, K=2, D=6, H=4, seed=0):
+    """Leaves (float64 masters) and the tensors passed: weights as given or as .mT of [S, out, in]."""
+    g = torch.Generator().manual_seed(seed)
+    h_in = 2 * H if act in GATED else H
+    master = {
+        "x": torch.randn(N, D, generator=g, dtype=torch.float64),
+        "gates": torch.rand(N, K, generator=g, dtype=torch.float64),
+        "w_in": torch.randn(S, D, h_in, generator=g, dtype=torch.float64) / D ** 0.5 * 2,
+        "w_out": torch.randn(S, H, D, generator=g, dtype=torch.float64) / H ** 0.5,
+    }
+    if bias:
+        master["b_in"] = torch.randn(S, h_in, generator=g, dtype=torch.float64)
+        master["b_out"] = torch.randn(S, D, generator=g, dtype=torch.float64)
+    idx = random_routing(N, S, K, 1.0, generator=g)
+    leaves = {}
+    for k, v in master.items():
+        t = v.to(dtype)
+        if layout == "mT" and k.startswith("w_"):
+            t = t.mT.contiguous()  # stored [S, out, in], as nn.Linear keeps it
+        leaves[k] = t.requires_grad_()
+    return idx, master, leaves
+
+
+def passed(leaves, layout):
+    return {k: (v.mT if layout == "mT" and k.startswith("w_") else v) for k, v in leaves.items()}
+
+
+def grads_of(y, leaves, gy, layout):
+    names = list(leaves)
+    grads = torch.autograd.grad(y, [leaves[k] for k in names], gy, allow_unused=True)
+    return {k: (g.mT if layout == "mT" and k.startswith("w_") and g is not None else g) for k, g in zip(names, grads)}
+
+
+def rel(a, b):
+    return float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "mT"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_every_form_on_every_path_matches_the_loop(act, path, dtype, bias, layout):
+    idx, master, leaves = problem(act, dtype, bias, layout)
+    ref_leaves = {k: v.clone().requires_grad_() for k, v in master.items()}
+    want = oracle(ref_leaves["x"], idx, ref_leaves["gates"], ref_leaves["w_in"], ref_leaves["w_out"], act,
+                  ref_leaves.get("b_in"), ref_leaves.get("b_out"))
+    gy = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want_g = grads_of(want, ref_leaves, gy, "contiguous")
+    p = passed(leaves, layout)
+    y = expert_mlp(p["x"], idx, p["gates"], p["w_in"], p["w_out"], activation=act, b_in=p.get("b_in"),
+                   b_out=p.get("b_out"), path=path)
+    got_g = grads_of(y, leaves, gy.to(dtype), layout)
+    if dtype == torch.bfloat16:  # against float64: the error of bfloat16 storage, about 2^-8 per value
+        assert rel(y, want) < 3e-2, "output"
+        for k in want_g:
+            assert rel(got_g[k], want_g[k]) < 5e-2, f"grad of {k}"
+        return
+    assert_close(y, want.to(dtype), msg="output")
+    for k in want_g:
+        assert_close(got_g[k], want_g[k].to(dtype), scale=4, msg=f"grad of {k}")
+
+
+@requires_ext
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_mT_views_equal_contiguous_copies_on_the_compiled_path(act):
+    # The decode rows (4 characters: minagi's own kernels) bit for bit; the grouped GEMMs (60
+    # characters: the BLAS, whose kernel for a transposed operand sums in another order) within
+    # float32 rounding.
+    for N in (4, 60):
+        idx, _, leaves = problem(act, torch.float32, True, "mT", N=N)
+        views = passed(leaves, "mT")
+        copies = {k: v.detach().contiguous() for k, v in views.items()}
+        with torch.no_grad():
+            a = expert_mlp(views["x"], idx, views["gates"], views["w_in"], views["w_out"], activation=act,
+                           b_in=views["b_in"], b_out=views["b_out"], path="compiled")
+            b = expert_mlp(copies["x"], idx, copies["gates"], copies["w_in"], copies["w_out"], activation=act,
+                           b_in=copies["b_in"], b_out=copies["b_out"], path="compiled")
+        if N == 4:
+            assert torch.equal(a, b), float((a - b).abs().max())
+        else:
+            assert_close(a, b, msg="grouped GEMMs on .mT views")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_slot_top1_swiglu_is_a_dense_swiglu_mlp(path):
+    g = torch.Generator().manual_seed(3)
+    N, D, H = 9, 5, 7
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    wg, wu, wd = (torch.randn(a, b, generator=g, dtype=torch.float64) for a, b in ((D, H), (D, H), (H, D)))
+    dense = (F.silu(x @ wg) * (x @ wu)) @ wd
+    y = expert_mlp(x, torch.zeros(N, 1, dtype=torch.long), torch.ones(N, 1, dtype=torch.float64),
+                   torch.cat([wg, wu], 1)[None], wd[None], activation="swiglu", path=path)
+    torch.testing.assert_close(y, dense)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("N", [3, 40])
+def test_out_of_range_slots_add_nothing_and_get_no_gradient_when_skipped(path, N):
+    idx, master, leaves = problem("swiglu", torch.float64, True, "contiguous", N=N, K=3)
+    idx[0, 1], idx[1, 0], idx[2, 2] = 5, -1, 99  # S = 5: experts held elsewhere
+    p = passed(leaves, "contiguous")
+    y = expert_mlp(p["x"], idx, p["gates"], p["w_in"], p["w_out"], activation="swiglu", b_in=p["b_in"],
+                   b_out=p["b_out"], out_of_range_slots="skip", path=path)
+    ref = {k: v.clone().requires_grad_() for k, v in master.items()}
+    want = oracle(ref["x"], idx, ref["gates"], ref["w_in"], ref["w_out"], "swiglu", ref["b_in"], ref["b_out"], skip=True)
+    assert_close(y, want)
+    gy = torch.randn(want.shape, dtype=torch.float64)
+    got, exp = grads_of(y, leaves, gy, "contiguous"), grads_of(want, ref, gy, "contiguous")
+    for k in exp:
+        assert_close(got[k], exp[k], scale=4, msg=k)
+    assert got["gates"][0, 1] == 0 and got["gates"][1, 0] == 0 and got["gates"][2, 2] == 0
+    with pytest.raises(ValueError, match="slot_idx holds 99, outside \\[0, S = 5\\).*out_of_range_slots='skip'"):
+        expert_mlp(p["x"], idx.clamp(min=0), p["gates"], p["w_in"], p["w_out"], activation="swiglu", path=path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float32_gates_with_bfloat16_x_come_back_in_float32(path):
+    idx, _, leaves = problem("swiglu", torch.bfloat16, False, "contiguous")
+    gates = leaves["gates"].detach().float().requires_grad_()
+    y = expert_mlp(leaves["x"], idx, gates, leaves["w_in"], leaves["w_out"], activation="swiglu", path=path)
+    assert y.dtype == torch.bfloat16
+    (g,) = torch.autograd.grad(y.float().sum(), gates)
+    assert g.dtype == torch.float32 and g.abs().sum() > 0
+
+
+@requires_ext
+def test_compiled_forms_pass_opcheck_gradcheck_and_gradgradcheck(compiled):
+    from minagi import reference
+
+    g = torch.Generator().manual_seed(5)
+    idx = random_routing(7, 3, 2, generator=g)
+    _, order, rows, row_pair, dest = reference.group_plan(idx, 3, 0, False)
+    buf = reference.bucketed_gather(torch.randn(7, 3, generator=g, dtype=torch.float64), row_pair, dest)
+    for act in ACTIVATIONS:
+        width = 4 if act in GATED else 2
+        b = (torch.randn(3, 3, width, generator=g, dtype=torch.float64)).requires_grad_()
+        bias = torch.randn(3, width, generator=g, dtype=torch.float64).requires_grad_()
+        a = buf.clone().requires_grad_()
+        args = (a, b, bias, order, rows, act, 1.702, 0.9)  # a small limit, so the clamp bites
+        torch.library.opcheck(torch.ops.minagi.grouped_mm_act, args)
+        f = lambda a, b, bias: compiled.grouped_mm_act(a, b, bias, order, rows, act, 1.702, 0.9)[1]  # noqa: E731
+        assert torch.autograd.gradcheck(f, (a, b, bias))
+        assert torch.autograd.gradgradcheck(f, (a, b, bias))
+        h = torch.randn(buf.shape[0], width, generator=g, dtype=torch.float64).requires_grad_()
+        gr = torch.randn(buf.shape[0], width // 2 if act in GATED else width, generator=g, dtype=torch.float64)
+        torch.library.opcheck(torch.ops.minagi.expert_act_backward,
+                              (gr.requires_grad_(), h, order, rows, act, 1.702, 0.9, 3, True))
+        got = compiled.expert_act_backward(gr, h, order, rows, act, 1.702, 0.9, 3, True)
+        want = reference.expert_act_backward(gr, h, order, rows, act, 1.702, 0.9, 3, True)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+    plan = torch.ops.minagi.group_plan(torch.tensor([[0, 7], [-1, 1]]), 3, 0, False, True)
+    want = reference.group_plan(torch.tensor([[0, 7], [-1, 1]]), 3, 0, False, True)
+    for x, y in zip(plan, want):
+        assert torch.equal(x, y)
+    torch.library.opcheck(torch.ops.minagi.group_plan, (torch.tensor([[0, 7], [-1, 1]]), 3, 0, True, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_forms_and_biases_are_named(path):
+    idx, _, leaves = problem("gelu", torch.float32, False, "contiguous")
+    x, gates, w_in, w_out = (leaves[k].detach() for k in ("x", "gates", "w_in", "w_out"))
+    S, D, H = w_in.shape
+
+    def call(**kw):
+        args = {"x": x, "slot_idx": idx, "gates": gates, "w_in": w_in, "w_out": w_out, **kw}
+        return expert_mlp(args.pop("x"), args.pop("slot_idx"), args.pop("gates"), args.pop("w_in"), args.pop("w_out"),
+                          path=path, **args)
+
+    with pytest.raises(ValueError, match="activation must be one of gelu, gelu_tanh, silu, relu2, swiglu, "
+                                         "swiglu_interleaved, swiglu_oai, got 'geglu'"):
+        call(activation="geglu")
+    with pytest.raises(ValueError, match=r"gated form 'swiglu' needs w_in \[S, d, 2h\].*width is 4, w_out's h is 4"):
+        call(activation="swiglu")
+    with pytest.raises(ValueError, match=r"b_in must be \[S, h\] = \(5, 4\), got \(5, 3\)"):
+        call(b_in=torch.zeros(S, 3))
+    with pytest.raises(ValueError, match=r"b_out must be \[S, d\] = \(5, 6\), got \(6,\)"):
+        call(b_out=torch.zeros(D))
+    with pytest.raises(ValueError, match="b_in is torch.float64 but x is torch.float32"):
+        call(b_in=torch.zeros(S, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match="w_out is torch.float64 but x is torch.float32"):
+        call(w_out=w_out.double())
+    with pytest.raises(ValueError, match="b_out is on meta but x is on cpu"):
+        call(b_out=torch.zeros(S, D, device="meta"))
+    with pytest.raises(ValueError, match="out_of_range_slots must be 'error' or 'skip'"):
+        call(out_of_range_slots="ignore")
+
+
+@requires_ext
+def test_compiled_op_errors_name_the_argument(compiled):
+    a, b = torch.randn(4, 3), torch.randn(2, 3, 5)
+    ids, rows = torch.tensor([0, 1]), torch.tensor([2, 2])
+    with pytest.raises(RuntimeError, match="unknown activation 'tanh'; the forms are gelu, gelu_tanh"):
+        compiled.grouped_mm_act(a, b, None, ids, rows, "tanh", 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="gated form 'swiglu' needs an even width"):
+        compiled.grouped_mm_act(a, b, None, ids, rows, "swiglu", 1.0, 1.0)
+    with pytest.raises(RuntimeError, match=r"bias must be \[S, M\] = \[2, 5\]"):
+        compiled.grouped_mm_act(a, b, torch.zeros(5), ids, rows, "gelu", 1.0, 1.0)

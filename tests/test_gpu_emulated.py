@@ -220,6 +220,14 @@ def group_plan_cases(size: str) -> list[Case]:
             cases.append(Case(f"group_plan_{tag}_cap{cap}_{'bucketed' if bucketed else 'exact'}", "group_plan",
                               _params(N=N, S=S, k=k, capacity=cap, bucketed=bucketed), {"slot_idx": idx}, want,
                               exact=PLAN_OUTPUTS))
+    # Ids of experts held elsewhere, skipped (expert parallelism's sentinels): dropped pairs.
+    idx = _slot_idx("uniform", 40, 8, 2, g)
+    idx[::3, 1] = torch.tensor([8, -1, 100])[torch.arange(0, 40, 3) % 3]
+    for cap, bucketed in caps[:2]:
+        want = dict(zip(PLAN_OUTPUTS, CPU.group_plan(idx, 8, cap, bucketed, True)))
+        cases.append(Case(f"group_plan_skip_invalid_cap{cap}_{'bucketed' if bucketed else 'exact'}", "group_plan",
+                          _params(N=40, S=8, k=2, capacity=cap, bucketed=bucketed, skip_invalid=1), {"slot_idx": idx},
+                          want, exact=PLAN_OUTPUTS))
     return cases
 
 
@@ -303,12 +311,44 @@ def small_rows_cases(size: str) -> list[Case]:
     return cases
 
 
+ACTS = ("gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai")
+
+
+def activation_cases(size: str) -> list[Case]:
+    """The expert forms' kernels: bias + activation in place over h, the backward, the bias's
+    gradient; each form, with a slot owning no rows and grid-stride loops (grid capped)."""
+    g = torch.Generator().manual_seed(9)
+    S, M, alpha, limit = 4, 10, 1.702, 1.5  # a small limit: swiglu_oai's clamps bite
+    ids, nrows = torch.tensor([2, 0, 3]), torch.tensor([5, 0, 9])
+    E = int(nrows.sum())
+    cases = []
+    forms = ACTS if size == "full" else ("gelu", "swiglu_oai")
+    for dtype, _ in _dtypes(size, [None]):
+        for i, act in enumerate(forms):
+            W = M // 2 if "swiglu" in act else M
+            h = (torch.randn(E, M, generator=g) * 2).to(dtype)
+            bias = torch.randn(S, M, generator=g).to(dtype)
+            grad = torch.randn(E, W, generator=g).to(dtype)
+            h_b, out = CPU.grouped_mm_act(torch.eye(E, dtype=dtype), h.unsqueeze(0).expand(S, E, M).contiguous(),
+                                          bias, ids, nrows, act, alpha, limit)
+            gh, gb = CPU.expert_act_backward(grad, h_b, ids, nrows, act, alpha, limit, S, True)
+            tol = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.float16: (2e-3, 2e-3),
+                   torch.bfloat16: (1.6e-2, 1.6e-2)}[dtype]
+            params = _params(dtype, E=E, M=M, A=3, S=S, act=ACTS.index(act), alpha_milli=round(alpha * 1000),
+                             limit_milli=round(limit * 1000), max_blocks=2 if i % 2 else 65535)
+            cases.append(Case(f"activation_{act}_{DTYPE_NAMES[dtype]}", "activation", params,
+                              {"h": h, "bias": bias, "grad": grad, "slot_ids": ids, "slot_rows": nrows},
+                              {"h": h_b, "out": out, "grad_h": gh, "grad_bias": gb}, exact=("h",), tol=tol))
+    return cases
+
+
 FAMILIES = {
     "routing": routing_cases,
     "routing_backward": routing_backward_cases,
     "group_plan": group_plan_cases,
     "gather_scatter_gate_grad": map_cases,
     "small_rows": small_rows_cases,
+    "activation": activation_cases,
 }
 
 

@@ -3,8 +3,12 @@ peers in the same process, at a uniform routing and at the seed's sink routing.
 
 Rows: rectangle / grouped / compiled (expert_mlp's paths), loop (one masked matmul pair per slot:
 the common naive MoE), grouped_mm (torch._grouped_mm where this torch has it) and dense (the
-limit: one matmul pair over exactly the routed rows). Columns: ms, executed rows / routed pairs,
-effective GFLOP/s of the routed work (12 N K d h per forward+backward) and the ratio to dense.
+limit: one matmul pair over exactly the routed rows, in the same expert form). Columns: ms,
+executed rows / routed pairs, effective GFLOP/s of the routed work (6 N K d (h_in + h) per
+forward+backward: 12 N K d h for the plain forms) and the ratio to dense. --activation picks the
+form (a gated one reads a 2h-wide w_in); --layout out_in passes the weights as .mT views of
+[S, out, in] tensors (transformers' layout), and both adds a "compiled_mT" row beside
+"compiled" so the two layouts are timed in one run.
 Methods are timed in interleaved rounds (each call after an untimed one of the same method) and
 summarised by the median, so a noisy neighbour hurts every method alike.
 """
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import _backend, ops
 from ..dispatch import expert_mlp
-from ..reference import slot_ranks
+from ..reference import ACTIVATIONS, GATED, activate, slot_ranks
 from .routings import random_gates, sink_routing, uniform_routing
 
 # Targets from the issues, for the compiled path at the sink routing. On a CPU the compiled path
@@ -41,39 +45,43 @@ TARGETS = {
 }
 
 
-def _loop_peer(x, idx, gates, w_in, w_out):
+def _loop_peer(x, idx, gates, w_in, w_out, act="gelu"):
     """The common naive MoE: for each slot, find its pairs, run its MLP, add back."""
     y = torch.zeros_like(x)
     for s in range(w_in.shape[0]):
         n, j = torch.where(idx == s)
         if n.numel():
-            out = F.gelu(x[n] @ w_in[s]) @ w_out[s]
+            out = activate(x[n] @ w_in[s], act) @ w_out[s]
             y = y.index_add(0, n, out * gates[n, j].unsqueeze(1))
     return y
 
 
-def _grouped_mm_peer(x, idx, gates, w_in, w_out):
+def _grouped_mm_peer(x, idx, gates, w_in, w_out, act="gelu"):
     """torch._grouped_mm over pairs sorted by slot (its offsets are cumulative int32 ends)."""
     N, K = idx.shape
     flat = idx.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     offs = torch.cumsum(torch.bincount(flat, minlength=w_in.shape[0]), 0).to(torch.int32)
     char = order // K
-    h = F.gelu(torch._grouped_mm(x[char], w_in, offs=offs))
+    h = activate(torch._grouped_mm(x[char], w_in, offs=offs), act)
     out = torch._grouped_mm(h, w_out, offs=offs) * gates.reshape(-1)[order].unsqueeze(1)
     return torch.zeros_like(x).index_add(0, char, out)
 
 
-def _methods(device):
+def _methods(device, act="gelu", layout="in_out"):
+    """name -> (fn(x, idx, gates, w_in, w_out), weights as .mT views of [S, out, in] tensors)."""
+    mT = layout == "out_in"
     methods = {
-        "rectangle": lambda *a: expert_mlp(*a, path="rectangle"),
-        "grouped": lambda *a: expert_mlp(*a, path="grouped"),
+        "rectangle": (lambda *a: expert_mlp(*a, activation=act, path="rectangle"), mT),
+        "grouped": (lambda *a: expert_mlp(*a, activation=act, path="grouped"), mT),
     }
     if ops.supports(device):
-        methods["compiled"] = lambda *a: expert_mlp(*a, path="compiled")
-    methods["loop"] = _loop_peer
+        methods["compiled"] = (lambda *a: expert_mlp(*a, activation=act, path="compiled"), mT)
+        if layout == "both":
+            methods["compiled_mT"] = (methods["compiled"][0], True)
+    methods["loop"] = (lambda *a: _loop_peer(*a, act=act), mT)
     if hasattr(torch, "_grouped_mm"):
-        methods["grouped_mm"] = _grouped_mm_peer
+        methods["grouped_mm"] = (lambda *a: _grouped_mm_peer(*a, act=act), mT)
     return methods
 
 
@@ -90,16 +98,22 @@ def _time(fn, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _fwd_bwd(method, x, idx, gates, w_in, w_out, grad_y):
+def _fwd_bwd(method, x, idx, gates, w_in, w_out, grad_y, mT=False):
+    """One forward+backward; with mT the weights live as [S, out, in] tensors and are passed as
+    their .mT views (made once, outside the timing, as a model keeps them)."""
+    if mT:
+        w_in, w_out = w_in.mT.contiguous(), w_out.mT.contiguous()
+
     def run():
         leaves = [t.detach().requires_grad_() for t in (x, gates, w_in, w_out)]
-        y = method(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        a, b = (leaves[2].mT, leaves[3].mT) if mT else (leaves[2], leaves[3])
+        y = method(leaves[0], idx, leaves[1], a, b)
         torch.autograd.backward(y, grad_y)
     return run
 
 
-def _dense(x, idx, w_in, w_out, grad_y):
-    """One matmul pair over exactly the routed rows: the work's lower bound."""
+def _dense(x, idx, w_in, w_out, grad_y, act="gelu"):
+    """One matmul pair over exactly the routed rows, in the same form: the work's lower bound."""
     R = idx.numel()
     x_R = x.new_empty(R, x.shape[1]).normal_()
     g_R = grad_y.new_empty(R, grad_y.shape[1]).normal_()
@@ -107,7 +121,7 @@ def _dense(x, idx, w_in, w_out, grad_y):
 
     def run():
         a, b, c = (t.detach().requires_grad_() for t in (x_R, w1, w2))
-        torch.autograd.backward(F.gelu(a @ b) @ c, g_R)
+        torch.autograd.backward(activate(a @ b, act) @ c, g_R)
     return run
 
 
@@ -115,7 +129,7 @@ def _executed_ratio(name, idx, S, K, device):
     R = idx.numel()
     if name == "rectangle":
         return S * int(torch.bincount(idx.reshape(-1), minlength=S).max()) / R
-    if name in ("grouped", "compiled"):
+    if name in ("grouped", "compiled", "compiled_mT"):
         # The plan the path runs on this device: bucketed except the CPU's compiled path.
         bucketed = name == "grouped" or device.type != "cpu"
         _, stats = expert_mlp(*_probe_args(idx, S), path="grouped", bucketed=bucketed, return_stats=True)
@@ -130,22 +144,25 @@ def _probe_args(idx, S):
 
 
 def run(N=2081, S=128, K=8, D=256, H=512, sink_chars=1960, reps=5, dtype=torch.float32,
-        device="cpu", routings=("uniform", "sink"), methods=None, seed=0, log=print):
+        device="cpu", routings=("uniform", "sink"), methods=None, seed=0, log=print, activation="gelu",
+        layout="in_out"):
     device = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=g).to(device, dtype)
-    w_in = (torch.randn(S, D, H, generator=g) / D ** 0.5).to(device, dtype)
+    h_in = 2 * H if activation in GATED else H
+    w_in = (torch.randn(S, D, h_in, generator=g) / D ** 0.5).to(device, dtype)
     w_out = (torch.randn(S, H, D, generator=g) / H ** 0.5).to(device, dtype)
     gates = random_gates(N, K, generator=g).to(device, dtype)
     grad_y = torch.randn(N, D, generator=g).to(device, dtype)
-    all_methods = _methods(device)
+    all_methods = _methods(device, activation, layout)
     names = [m for m in (methods or all_methods) if m in all_methods]
-    flops = 12 * N * K * D * H
+    flops = 6 * N * K * D * (h_in + H)
     results = {}
     for routing in routings:
         idx = (uniform_routing(N, S, K) if routing == "uniform" else sink_routing(N, S, K, sink_chars)).to(device)
-        runs = {name: _fwd_bwd(all_methods[name], x, idx, gates, w_in, w_out, grad_y) for name in names}
-        runs["dense"] = _dense(x, idx, w_in, w_out, grad_y)
+        runs = {name: _fwd_bwd(all_methods[name][0], x, idx, gates, w_in, w_out, grad_y, all_methods[name][1])
+                for name in names}
+        runs["dense"] = _dense(x, idx, w_in, w_out, grad_y, activation)
         times = {name: [] for name in runs}
         for fn in runs.values():  # warm-up: allocator, BLAS handles, lazy registrations
             fn()
@@ -197,6 +214,9 @@ def check_targets(results, device_type: str = "cpu") -> list[tuple[str, float, s
     if "rectangle" in sink and "vs_rectangle_min" in tg:
         r = sink["rectangle"]["ms"] / c["ms"]
         out.append(("speed vs rectangle", r, f">= {tg['vs_rectangle_min']}", r >= tg["vs_rectangle_min"]))
+    if "compiled_mT" in sink:
+        r = sink["compiled_mT"]["ms"] / c["ms"]
+        out.append((".mT views / contiguous", r, "<= 1.05", r <= 1.05))
     if "compiled" in uni and "sink_over_uniform_max" in tg:
         r = c["ms"] / uni["compiled"]["ms"]
         out.append(("sink time / uniform time", r, f"<= {tg['sink_over_uniform_max']}", r <= tg["sink_over_uniform_max"]))
@@ -213,6 +233,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="timed rounds per method (median kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the machine's)")
     p.add_argument("--methods", default=None, help="comma-separated subset of rows to time")
+    p.add_argument("--activation", default="gelu", choices=ACTIVATIONS, help="the experts' form (default gelu)")
+    p.add_argument("--layout", default="in_out", choices=["in_out", "out_in", "both"],
+                   help="weights stored [S, in, out] (in_out), as .mT views of [S, out, in] (out_in), or both")
     for name, default in (("N", 2081), ("S", 128), ("K", 8), ("D", 256), ("H", 512), ("sink-chars", 1960)):
         p.add_argument(f"--{name}", type=int, default=default)
     a = p.parse_args(argv)
@@ -222,9 +245,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     ext = "loaded" if _backend.loaded() else f"not loaded ({_backend.state().reason})"
     print(f"minagi.bench dispatch: torch {torch.__version__}, {device}, {dtype}, "
-          f"{torch.get_num_threads()} threads, extension {ext}; d={a.D} h={a.H}, median of {a.reps}")
+          f"{torch.get_num_threads()} threads, extension {ext}; d={a.D} h={a.H}, {a.activation}, weights {a.layout}, "
+          f"median of {a.reps}")
     results = run(N=a.N, S=a.S, K=a.K, D=a.D, H=a.H, sink_chars=a.sink_chars, reps=a.reps, dtype=dtype,
-                  device=device, methods=a.methods.split(",") if a.methods else None)
+                  device=device, methods=a.methods.split(",") if a.methods else None, activation=a.activation,
+                  layout=a.layout)
     targets = check_targets(results, torch.device(device).type)
     if targets:
         print("\ntargets (compiled path, sink routing):")
@@ -235,6 +260,7 @@ def main(argv=None) -> int:
             json.dump({"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "extension": _backend.loaded(),
                        "shape": {"N": a.N, "S": a.S, "K": a.K, "D": a.D, "H": a.H, "sink_chars": a.sink_chars},
+                       "activation": a.activation, "layout": a.layout,
                        "results": results,
                        "targets": [dict(zip(("what", "value", "target", "met"), t)) for t in targets]},
                       f, indent=2)

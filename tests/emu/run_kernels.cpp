@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../../csrc/emu/emulator.h"
+#include "../../csrc/cuda/activation_kernels.cuh"
 #include "../../csrc/cuda/gather_kernels.cuh"
 #include "../../csrc/cuda/grouped_gemm_kernels.cuh"
 #include "../../csrc/cuda/grouping_kernels.cuh"
@@ -116,11 +117,14 @@ void run_routing_backward(const Case& c) {
 void run_group_plan(const Case& c) {
   const int64_t N = c.num("N"), k = c.num("k"), R = N * k, capacity = c.num("capacity");
   const int S = static_cast<int>(c.num("S"));
-  const bool bucketed = c.num("bucketed") != 0;
+  const bool bucketed = c.num("bucketed") != 0, skip_invalid = c.num("skip_invalid", 0) != 0;
   const auto idx = c.read<int64_t>("slot_idx", R);
   const int64_t n_chunks = (R + kChunk - 1) / kChunk;
   auto chunk_count = empty<int>(std::max<int64_t>(1, S * n_chunks));
   std::vector<int64_t> total(S, 0);
+  if (R > 0 && !skip_invalid) {
+    launch(slot_range_kernel, dim3(blocks_for(R, kThreads, max_blocks(c))), dim3(kThreads), 0, idx.data(), R, S);
+  }
   if (R > 0) {
     launch(chunk_hist_kernel, dim3(n_chunks), dim3(kChunk), S * sizeof(int), idx.data(), R, S, n_chunks,
            chunk_count.data());
@@ -208,6 +212,42 @@ void run_small_rows(const Case& c) {
   c.write("out", out);
 }
 
+// activation.cu's grouped_mm_act epilogue (bias + activation over the GEMM's output, h in place)
+// and expert_act_backward (the activation's backward, then the bias gradient per listed slot).
+template <typename scalar_t>
+void run_activation(const Case& c) {
+  using acc_t = opmath_t<scalar_t>;
+  const int64_t E = c.num("E"), M = c.num("M"), A = c.num("A"), S = c.num("S"), act = c.num("act");
+  const int64_t W = act >= static_cast<int64_t>(minagi::Act::Swiglu) ? M / 2 : M;
+  const acc_t alpha = static_cast<acc_t>(c.num("alpha_milli") / 1000.0), limit = static_cast<acc_t>(c.num("limit_milli") / 1000.0);
+  auto h = c.read<scalar_t>("h", E * M);
+  const auto bias = c.read<scalar_t>("bias", S * M), grad = c.read<scalar_t>("grad", E * W);
+  const auto ids = c.read<int64_t>("slot_ids", A), rows = c.read<int64_t>("slot_rows", A);
+  std::vector<int64_t> row0(A), row_slot;
+  for (int64_t i = 0, r = 0; i < A; r += rows[i], ++i) {
+    row0[i] = r;
+    row_slot.insert(row_slot.end(), rows[i], ids[i]);
+  }
+  auto out = empty<scalar_t>(E * W), grad_h = empty<scalar_t>(E * M);
+  std::vector<scalar_t> grad_bias(S * M, scalar_t(0));
+  if (E * W > 0) {
+    const dim3 grid(static_cast<unsigned>(blocks_for(E * W, kThreads, max_blocks(c))));
+    launch(bias_act_kernel<scalar_t>, grid, dim3(kThreads), 0, h.data(), bias.data(), row_slot.data(), out.data(), E,
+           M, static_cast<int>(act), alpha, limit);
+    launch(act_backward_kernel<scalar_t>, grid, dim3(kThreads), 0, grad.data(), h.data(), grad_h.data(), E, M,
+           static_cast<int>(act), alpha, limit);
+    if (A > 0) {
+      const dim3 bgrid(static_cast<unsigned>((M + kThreads - 1) / kThreads), static_cast<unsigned>(A));
+      launch(bias_grad_kernel<scalar_t>, bgrid, dim3(kThreads), 0, grad_h.data(), ids.data(), row0.data(),
+             rows.data(), M, S, grad_bias.data());
+    }
+  }
+  c.write("h", h);
+  c.write("out", out);
+  c.write("grad_h", grad_h);
+  c.write("grad_bias", grad_bias);
+}
+
 // Deliberate races, for the test that shows ThreadSanitizer sees the emulator's threads race:
 // a read of shared memory another thread wrote with no __syncthreads between, and blocks that
 // count into one global without an atomic.
@@ -240,6 +280,7 @@ void run_floating(const Case& c, const std::string& kernel) {
   if (kernel == "scatter") return run_scatter<scalar_t>(c);
   if (kernel == "gate_grad") return run_gate_grad<scalar_t>(c);
   if (kernel == "small_rows") return run_small_rows<scalar_t>(c);
+  if (kernel == "activation") return run_activation<scalar_t>(c);
   throw std::runtime_error("unknown kernel " + kernel);
 }
 

@@ -126,7 +126,7 @@ def test_group_plan_matches_twin(compiled, device, name, cap, bucketed):
         assert torch.equal(a.cpu(), b), f"{name}: {field} differs"
     assert got[2].device.type == "cpu"  # slot_rows: the grouped GEMM's sizes, on the host
     for field, t in zip(("load", "slot_order", "row_pair", "dest"), (got[0], got[1], got[3], got[4])):
-        assert t.device == device, f"{field} left the device"
+        assert t.device.type == device.type, f"{field} left the device"
 
 
 def test_sink_plan_splits_into_groups(compiled, device):

@@ -6,6 +6,7 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <atomic>
@@ -219,28 +220,47 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   return out;
 }
 
-// Bias and activation of rows [r0, r0 + nr) of h (one slot's), into out.
+// The activation of h's rows into out's, through ATen's vectorised kernels (run on one thread
+// inside a part: the parts are the parallelism). GPT-OSS's clamped form, with no ATen kernel of its
+// own, takes csrc/activation.h's scalar code.
 template <typename scalar_t>
-void bias_act_rows(Act act, scalar_t* h, const scalar_t* bias, scalar_t* out, int64_t r0, int64_t nr, int64_t M,
-                   double alpha, double limit) {
+void oai_rows(const at::Tensor& h, at::Tensor& out, double alpha, double limit) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t W = act_gated(act) ? M / 2 : M;
-  const acc_t al = static_cast<acc_t>(alpha), li = static_cast<acc_t>(limit);
-  for (int64_t r = r0; r < r0 + nr; ++r) {
-    scalar_t* hr = h + r * M;
-    if (bias != nullptr) {
-      for (int64_t c = 0; c < M; ++c) hr[c] = static_cast<scalar_t>(static_cast<acc_t>(hr[c]) + static_cast<acc_t>(bias[c]));
-    }
-    scalar_t* o = out + r * W;
-    if (!act_gated(act)) {
-      for (int64_t c = 0; c < M; ++c) o[c] = static_cast<scalar_t>(act_plain<acc_t>(act, static_cast<acc_t>(hr[c])));
-      continue;
-    }
+  const int64_t W = out.size(1);
+  for (int64_t r = 0; r < h.size(0); ++r) {
+    const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
+    scalar_t* o = out.data_ptr<scalar_t>() + r * out.stride(0);
     for (int64_t j = 0; j < W; ++j) {
-      int64_t g, u;
-      gated_cols(act, j, W, &g, &u);
-      o[j] = static_cast<scalar_t>(
-          act_gated_fwd<acc_t>(act, static_cast<acc_t>(hr[g]), static_cast<acc_t>(hr[u]), al, li));
+      o[j] = static_cast<scalar_t>(act_gated_fwd<acc_t>(Act::SwigluOai, static_cast<acc_t>(hr[2 * j]),
+                                                        static_cast<acc_t>(hr[2 * j + 1]), static_cast<acc_t>(alpha),
+                                                        static_cast<acc_t>(limit)));
+    }
+  }
+}
+
+// gate and up of a gated form's h rows (views: halves, or alternate columns).
+std::pair<at::Tensor, at::Tensor> gate_up(Act act, const at::Tensor& h) {
+  const int64_t M = h.size(1), W = M / 2;
+  if (act == Act::Swiglu) return {h.narrow(1, 0, W), h.narrow(1, W, W)};
+  return {h.slice(1, 0, M, 2), h.slice(1, 1, M, 2)};
+}
+
+void act_forward(Act act, const at::Tensor& h, at::Tensor out, double alpha, double limit) {
+  switch (act) {
+    case Act::Gelu: at::gelu_out(out, h); return;
+    case Act::GeluTanh: at::gelu_out(out, h, "tanh"); return;
+    case Act::Silu: at::silu_out(out, h); return;
+    case Act::Relu2:
+      at::clamp_min_out(out, h, 0);
+      out.mul_(out);
+      return;
+    case Act::SwigluOai:
+      MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_oai_rows", [&] { oai_rows<scalar_t>(h, out, alpha, limit); });
+      return;
+    default: {  // swiglu, swiglu_interleaved
+      const auto [gate, up] = gate_up(act, h);
+      at::silu_out(out, gate);
+      out.mul_(up);
     }
   }
 }
@@ -256,46 +276,53 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cpu(const at::Tensor& a_in, co
   at::Tensor h = empty_output({a.size(0), M}, a.options());
   at::Tensor out = empty_output({a.size(0), act_gated(act) ? M / 2 : M}, a.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
-  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm_act", [&] {
-    scalar_t* hp = h.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const scalar_t* bp = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
-    grouped_mm_into(a, b, slot_ids, start, h, [&](int64_t slot, int64_t r0, int64_t nr) {
-      bias_act_rows<scalar_t>(act, hp, bp == nullptr ? nullptr : bp + slot * M, op, r0, nr, M, alpha, limit);
-    });
+  grouped_mm_into(a, b, slot_ids, start, h, [&](int64_t slot, int64_t r0, int64_t nr) {
+    at::Tensor hr = h.narrow(0, r0, nr);
+    if (bias.defined()) hr.add_(bias.select(0, slot));
+    act_forward(act, hr, out.narrow(0, r0, nr), alpha, limit);
   });
   return {h, out};
 }
 
-// grad_h for rows [r0, r0 + nr) from out's gradient; with acc, the rows' column sums added to it.
-template <typename scalar_t, typename acc_t>
-void act_backward_rows(Act act, const scalar_t* grad, const scalar_t* h, scalar_t* gh, int64_t r0, int64_t nr,
-                       int64_t M, acc_t al, acc_t li, acc_t* acc) {
-  const int64_t W = act_gated(act) ? M / 2 : M;
-  for (int64_t r = r0; r < r0 + nr; ++r) {
-    const scalar_t* gr = grad + r * W;
-    const scalar_t* hr = h + r * M;
-    scalar_t* o = gh + r * M;
-    if (!act_gated(act)) {
-      for (int64_t c = 0; c < M; ++c) {
-        const acc_t v = static_cast<acc_t>(gr[c]) * act_plain_grad<acc_t>(act, static_cast<acc_t>(hr[c]));
-        o[c] = static_cast<scalar_t>(v);
-        if (acc != nullptr) acc[c] += static_cast<acc_t>(o[c]);
-      }
-      continue;
-    }
+template <typename scalar_t>
+void oai_backward_rows(const at::Tensor& grad, const at::Tensor& h, at::Tensor& gh, double alpha, double limit) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t W = grad.size(1);
+  for (int64_t r = 0; r < h.size(0); ++r) {
+    const scalar_t* gr = grad.data_ptr<scalar_t>() + r * grad.stride(0);
+    const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
+    scalar_t* o = gh.data_ptr<scalar_t>() + r * gh.stride(0);
     for (int64_t j = 0; j < W; ++j) {
-      int64_t g, u;
-      gated_cols(act, j, W, &g, &u);
       acc_t dg, du;
-      act_gated_bwd<acc_t>(act, static_cast<acc_t>(hr[g]), static_cast<acc_t>(hr[u]), al, li,
-                           static_cast<acc_t>(gr[j]), &dg, &du);
-      o[g] = static_cast<scalar_t>(dg);
-      o[u] = static_cast<scalar_t>(du);
-      if (acc != nullptr) {
-        acc[g] += static_cast<acc_t>(o[g]);
-        acc[u] += static_cast<acc_t>(o[u]);
-      }
+      act_gated_bwd<acc_t>(Act::SwigluOai, static_cast<acc_t>(hr[2 * j]), static_cast<acc_t>(hr[2 * j + 1]),
+                           static_cast<acc_t>(alpha), static_cast<acc_t>(limit), static_cast<acc_t>(gr[j]), &dg, &du);
+      o[2 * j] = static_cast<scalar_t>(dg);
+      o[2 * j + 1] = static_cast<scalar_t>(du);
+    }
+  }
+}
+
+// h's gradient from the activation's output gradient, for some rows (ATen's kernels as above).
+void act_backward(Act act, const at::Tensor& grad, const at::Tensor& h, at::Tensor gh, double alpha, double limit) {
+  switch (act) {
+    case Act::Gelu: at::gelu_backward_out(gh, grad, h); return;
+    case Act::GeluTanh: at::gelu_backward_out(gh, grad, h, "tanh"); return;
+    case Act::Silu: at::silu_backward_out(gh, grad, h); return;
+    case Act::Relu2:
+      at::clamp_min_out(gh, h, 0);
+      gh.mul_(grad).mul_(2);
+      return;
+    case Act::SwigluOai:
+      MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_oai_backward_rows",
+                               [&] { oai_backward_rows<scalar_t>(grad, h, gh, alpha, limit); });
+      return;
+    default: {  // d up = grad * silu(gate); d gate = grad * up * silu'(gate)
+      const auto [gate, up] = gate_up(act, h);
+      auto [d_gate, d_up] = gate_up(act, gh);
+      at::silu_out(d_up, gate);
+      d_up.mul_(grad);
+      at::silu_backward_out(d_gate, grad, gate);
+      d_gate.mul_(up);
     }
   }
 }
@@ -309,32 +336,24 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& gra
   const auto start = range_starts(slot_ids, slot_rows, h.size(0), n_slots, "expert_act_backward", bias_grad);
   const int64_t E = h.size(0), M = h.size(1);
   at::Tensor gh = empty_output({E, M}, h.options());
-  at::Tensor gb = bias_grad ? at::zeros({n_slots, M}, h.options()) : at::empty({0}, h.options());
+  if (!bias_grad) {  // elementwise over every row: ATen shares it out over the threads
+    act_backward(act, grad, h, gh, alpha, limit);
+    return {gh, at::empty({0}, h.options())};
+  }
+  // Each slot's rows on one thread: its bias gradient is a sum in a fixed order.
+  at::Tensor gb = at::zeros({n_slots, M}, h.options());
   const at::Tensor ids = slot_ids.contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
-  const int64_t A = ids.size(0);
-  MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_expert_act_backward", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* gp = grad.data_ptr<scalar_t>();
-    const scalar_t* hp = h.data_ptr<scalar_t>();
-    scalar_t* ghp = gh.data_ptr<scalar_t>();
-    const acc_t al = static_cast<acc_t>(alpha), li = static_cast<acc_t>(limit);
-    if (!bias_grad) {  // elementwise: rows shared out evenly
-      at::parallel_for(0, E, std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1)), [&](int64_t b, int64_t e) {
-        act_backward_rows<scalar_t, acc_t>(act, gp, hp, ghp, b, e - b, M, al, li, nullptr);
-      });
-      return;
+  const at::ThreadLocalState tls;
+  at::parallel_for(0, ids.size(0), 1, [&](int64_t b, int64_t e) {
+    at::ThreadLocalStateGuard guard(tls);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r0 = start[i], nr = start[i + 1] - start[i];
+      at::Tensor rows = gh.narrow(0, r0, nr);
+      act_backward(act, grad.narrow(0, r0, nr), h.narrow(0, r0, nr), rows, alpha, limit);
+      at::Tensor g = gb.select(0, ip[i]);
+      at::sum_out(g, rows, {0});
     }
-    // Each slot's rows on one thread, in order: its bias gradient is a fixed-order sum.
-    scalar_t* gbp = gb.data_ptr<scalar_t>();
-    at::parallel_for(0, A, 1, [&](int64_t b, int64_t e) {
-      std::vector<acc_t> acc(M);
-      for (int64_t i = b; i < e; ++i) {
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        act_backward_rows<scalar_t, acc_t>(act, gp, hp, ghp, start[i], start[i + 1] - start[i], M, al, li, acc.data());
-        for (int64_t c = 0; c < M; ++c) gbp[ip[i] * M + c] = static_cast<scalar_t>(acc[c]);
-      }
-    });
   });
   return {gh, gb};
 }

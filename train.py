@@ -9,6 +9,7 @@
     python train.py prepare SRC OUT [--heldout-every N] [--force]
 
 The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
+import os
 import signal
 import sys
 
@@ -20,7 +21,8 @@ def _keep(signum, frame):
     _keep.caught = _keep.caught or signum
 
 
-_keep.caught = None
+# A command that re-executed itself (MINAGI_ALLOCATOR) hands over what the keeper had caught.
+_keep.caught = int(os.environ.pop("MINAGI_EARLY_SIGNAL", "0")) or None
 for _sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(_sig, _keep)
 

@@ -123,4 +123,8 @@ def ensure() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
+    from .guard import early_signal
+
+    if early_signal():  # caught by train.py's keeper while torch loaded: the new process keeps it
+        env["MINAGI_EARLY_SIGNAL"] = str(int(early_signal()))
     os.execve(sys.executable, argv, env)

@@ -64,6 +64,7 @@ class DispatchStats:
     top_k: int = 1
     capacity: int = 0  # pairs a slot may keep (0 = uncapped)
     slot_load: list = field(default_factory=list)  # routed pairs per slot (before the cap)
+    chars: int = -1  # characters of the call (-1: routed_pairs / top_k, as when no pair is skipped)
 
     @property
     def executed_ratio(self) -> float:
@@ -72,6 +73,8 @@ class DispatchStats:
 
     @property
     def n_chars(self) -> int:
+        if self.chars >= 0:
+            return self.chars
         return self.routed_pairs // self.top_k if self.top_k else 0
 
     @property
@@ -399,4 +402,5 @@ def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, g
         top_k=slot_idx_NK.shape[1],
         capacity=cap,
         slot_load=count_S.tolist(),
+        chars=-1 if valid_NK is None else slot_idx_NK.shape[0],
     )

@@ -85,17 +85,25 @@ class DivergenceGuard:
 _DEFAULT = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
 
 
+def early_signal() -> int | None:
+    """The signal train.py's keeper caught while torch loaded, if any."""
+    for sig in _DEFAULT:
+        caught = getattr(signal.getsignal(sig), "caught", None)
+        if caught:
+            return caught
+    return None
+
+
 def release_early_signals() -> None:
     """For commands other than training: give SIGTERM / SIGINT their usual meaning back from
-    train.py's keeper (which holds them while torch loads), and act on one it caught."""
-    caught = None
+    train.py's keeper (which holds them while torch loads); one it caught ends the command with
+    the shell's status for it (143, 130)."""
+    caught = early_signal()
     for sig, default in _DEFAULT.items():
-        handler = signal.getsignal(sig)
-        if hasattr(handler, "caught"):
-            caught = caught or handler.caught
+        if hasattr(signal.getsignal(sig), "caught"):
             signal.signal(sig, default)
     if caught:
-        os.kill(os.getpid(), caught)
+        raise SystemExit(128 + caught)
 
 
 class GracefulStop:

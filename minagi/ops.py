@@ -174,7 +174,9 @@ def _autograd_registrations(lib: str = "minagi") -> None:
         if grad_h is not None:  # h itself was used: its gradient joins the activation's
             gh = gh + grad_h
             if want_bias:
-                gb = gb + h.new_zeros(gb.shape).index_add(0, reference.row_slots(slot_ids, slot_rows), grad_h)
+                extra = h.new_zeros(ctx.n_slots, h.shape[1]).index_add(0, reference.row_slots(slot_ids, slot_rows),
+                                                                      grad_h)
+                gb = extra if gb is None else gb + extra
         grad_a = ops.grouped_mm(gh, b.transpose(1, 2), slot_ids, slot_rows) if ctx.needs_input_grad[0] else None
         grad_b = (ops.grouped_mm_wgrad(a, gh, slot_ids, slot_rows, ctx.n_slots)
                   if ctx.needs_input_grad[1] else None)

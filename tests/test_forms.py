@@ -136,8 +136,9 @@ def test_out_of_range_slots_add_nothing_and_get_no_gradient_when_skipped(path, N
     idx, master, leaves = problem("swiglu", torch.float64, True, "contiguous", N=N, K=3)
     idx[0, 1], idx[1, 0], idx[2, 2] = 5, -1, 99  # S = 5: experts held elsewhere
     p = passed(leaves, "contiguous")
-    y = expert_mlp(p["x"], idx, p["gates"], p["w_in"], p["w_out"], activation="swiglu", b_in=p["b_in"],
-                   b_out=p["b_out"], out_of_range_slots="skip", path=path)
+    y, stats = expert_mlp(p["x"], idx, p["gates"], p["w_in"], p["w_out"], activation="swiglu", b_in=p["b_in"],
+                          b_out=p["b_out"], out_of_range_slots="skip", path=path, return_stats=True)
+    assert stats.routed_pairs == N * 3 - 3 and stats.n_chars == N and 0 < stats.sink_share <= 1
     ref = {k: v.clone().requires_grad_() for k, v in master.items()}
     want = oracle(ref["x"], idx, ref["gates"], ref["w_in"], ref["w_out"], "swiglu", ref["b_in"], ref["b_out"], skip=True)
     assert_close(y, want)

@@ -4,7 +4,10 @@
 
 act is one of the expert forms (reference.ACTIVATIONS): gelu (the default), gelu_tanh, silu,
 relu2, or the gated swiglu, swiglu_interleaved and GPT-OSS's swiglu_oai, whose w_in is [S, d, 2h]
-(gate and up). The biases are optional.
+(gate and up). The biases are optional. act may also be any callable [rows, h_in] -> [rows, h] (a
+model's own gate, such as transformers' _apply_gate): the same plan and grouped GEMMs, with the
+callable between them instead of the fused activation. post (optional) maps each pair's expert
+output (b_out included) before its gate, such as a post-expert norm.
 
 Paths:
   rectangle  every slot padded to the busiest slot's load, one bmm: the seed's old dispatch,
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -39,19 +43,36 @@ PATHS = ("auto", "rectangle", "grouped", "compiled")
 OUT_OF_RANGE = ("error", "skip")
 
 
+CALLABLE = "callable"  # Form.activation when the activation is the caller's own function
+
+
 @dataclass(frozen=True)
 class Form:
-    """An expert form: the activation and swiglu_oai's alpha and limit."""
+    """An expert form: the activation and swiglu_oai's alpha and limit; or the caller's own
+    activation fn (activation == CALLABLE), which no kernel fuses."""
     activation: str = "gelu"
     alpha: float = 1.702
     limit: float = 7.0
+    fn: Callable | None = None
+
+    @classmethod
+    def of(cls, activation, alpha, limit) -> Form:
+        if callable(activation):
+            return cls(CALLABLE, fn=activation)
+        return cls(activation, float(alpha), float(limit))
 
     @property
     def gated(self) -> bool:
         return self.activation in GATED
 
     def act(self, h):
-        return reference.activate(h, self.activation, self.alpha, self.limit)
+        if self.fn is None:
+            return reference.activate(h, self.activation, self.alpha, self.limit)
+        a = self.fn(h)
+        if not isinstance(a, torch.Tensor) or a.shape[:-1] != h.shape[:-1]:
+            raise ValueError(f"expert_mlp: the activation {self.fn!r} must map h {tuple(h.shape)} to [.., h] with "
+                             f"the same leading shape, got {tuple(a.shape) if isinstance(a, torch.Tensor) else a!r}")
+        return a
 
 
 @dataclass
@@ -123,8 +144,8 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_
     for name, t in (("x", x), ("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"expert_mlp: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if form.activation not in ACTIVATIONS:
-        fail(f"activation must be one of {', '.join(ACTIVATIONS)}, got {form.activation!r}")
+    if form.fn is None and form.activation not in ACTIVATIONS:
+        fail(f"activation must be one of {', '.join(ACTIVATIONS)} or a callable, got {form.activation!r}")
     if out_of_range not in OUT_OF_RANGE:
         fail(f"out_of_range_slots must be 'error' or 'skip', got {out_of_range!r}")
     if x.dim() != 2:
@@ -140,7 +161,7 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_
     if form.gated and H_in != 2 * H:
         fail(f"the gated form {form.activation!r} needs w_in [S, d, 2h] (gate and up) for w_out [S, h, d]: "
              f"w_in's width is {H_in}, w_out's h is {H} (2h = {2 * H})")
-    if not form.gated and H_in != H:
+    if form.fn is None and not form.gated and H_in != H:
         fail(f"w_out must be [S, h, d] = {(S, H_in, D)} to match w_in {tuple(w_in.shape)} for the form "
              f"{form.activation!r}, got {tuple(w_out.shape)}")
     if tuple(w_out.shape) != (S, H, D):
@@ -177,9 +198,10 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_
                  "as expert parallelism passes them: out_of_range_slots='skip' drops those pairs)")
 
 
-def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form, b_in_SH, valid_NK):
+def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form, b_in_SH, valid_NK, post):
     """Every slot padded to the busiest slot's (kept) load: one [S, L, D] buffer, one bmm each.
-    valid_NK (out_of_range_slots='skip'): pairs outside it are dropped."""
+    valid_NK (out_of_range_slots='skip'): pairs outside it are dropped. post: (b_out, fn) applied
+    to each pair's output, or None."""
     N, K = slot_idx_NK.shape
     S, D = w_in_SDH.shape[0], x_ND.shape[1]
     flat_R = slot_idx_NK.reshape(-1)
@@ -196,6 +218,8 @@ def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form
     if b_in_SH is not None:
         h_SLH = h_SLH + b_in_SH.unsqueeze(1)
     out_SLD = torch.bmm(form.act(h_SLH), w_out_SHD)
+    if post is not None:
+        out_SLD = _post(out_SLD, post, lambda b_SD: b_SD.unsqueeze(1))
     picked_RD = out_SLD[slot_k, rank_k] * gates_NK.reshape(-1)[kept_R].unsqueeze(1)
     y_ND = x_ND.new_zeros(N, D).index_add(0, char_k, picked_RD)
     return y_ND, kept_R.view(N, K), S * L, 1
@@ -242,6 +266,11 @@ def _form_args(form: Form):
 def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
     """The form's activation of buf @ w_in + b_in, per slot's rows: the compiled op fuses the
     bias and activation into the GEMM; the pure-torch twin on a GPU keeps its buffers bucketed."""
+    if form.fn is not None:  # the caller's function: nothing fuses it
+        h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
+        if b_in_SH is not None:
+            h_EH = h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
+        return form.act(h_EH)
     if ops is _ops.REFERENCE and buf_ED.is_cuda:
         h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
         if b_in_SH is not None:
@@ -250,7 +279,29 @@ def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
     return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
 
 
-def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed, form, b_in_SH, skip):
+def _post(out_ED, post, spread):
+    """post = (b_out, fn): each pair's output plus its slot's b_out (spread(b_out) lines it up with
+    the rows), then fn, before the gate."""
+    b_out, fn = post
+    if b_out is not None:
+        out_ED = out_ED + spread(b_out)
+    if fn is None:
+        return out_ED
+    y = fn(out_ED)
+    if not isinstance(y, torch.Tensor) or y.shape != out_ED.shape:
+        raise ValueError(f"expert_mlp: post {fn!r} must keep the shape {tuple(out_ED.shape)} of the pairs' outputs, "
+                         f"got {tuple(y.shape) if isinstance(y, torch.Tensor) else y!r}")
+    return y
+
+
+def _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post):
+    out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
+    if post is None:
+        return out_ED
+    return _post(out_ED, post, lambda b_SD: b_SD.index_select(0, reference.row_slots(order_A, rows_A)))
+
+
+def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed, form, b_in_SH, skip, post):
     """The plan's groups, one pair of grouped matmuls with the form's activation between, gated
     combine."""
     S = w_in_SDH.shape[0]
@@ -259,7 +310,7 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
     load_S, order_A, rows_A, row_pair_E, dest_NK = plan
     buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
     a_EH = _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form)
-    out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
+    out_ED = _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post)
     y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
     return y_ND, dest_NK >= 0, row_pair_E.shape[0], rows_A
 
@@ -283,7 +334,7 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     return not wants_grad or (N == 1 and not skipping)
 
 
-def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK):
+def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
     """A handful of characters without a plan: every (character, k) pair is its own one-row
     range, multiplied by its slot's weights (so only the routed slots' weights are read), and the
     same gather and deterministic gated combine as the grouped path. The trivial plan is built
@@ -298,7 +349,7 @@ def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH
     pair_R = torch.arange(N * K, device=dev)
     x_RD = ops.bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
     h_RH = _first_layer(ops, x_RD, w_in_SDH, b_in_SH, ids_R, rows_R, form)
-    out_RD = ops.grouped_mm(h_RH, w_out_SHD, ids_R, rows_R)
+    out_RD = _second_layer(ops, h_RH, w_out_SHD, ids_R, rows_R, post)
     return ops.weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK), rows_R
 
 
@@ -326,8 +377,9 @@ def resolve_path(path: str, device: torch.device) -> str:
     return path
 
 
-def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str = "gelu", b_in=None, b_out=None,
-               alpha: float = 1.702, limit: float = 7.0, out_of_range_slots: str = "error", path: str = "auto",
+def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = "gelu", b_in=None, b_out=None,
+               alpha: float = 1.702, limit: float = 7.0, post: Callable | None = None,
+               out_of_range_slots: str = "error", path: str = "auto",
                capacity_factor: float = 0.0, return_stats: bool = False, bucketed: bool | None = None,
                n_valid: int | None = None):
     """Apply the routed experts: y[n] = sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s]
@@ -337,7 +389,10 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str = "gelu", b_i
     its gradient in its own); w_in [S, d, h] ([S, d, 2h] for the gated forms: gate and up); w_out
     [S, h, d]; b_in [S, h or 2h] and b_out [S, d] optional; weights and biases in x's dtype, all on
     x's device, of any strides (an nn.Linear-style [S, out, in] weight is passed as its .mT view:
-    nothing is copied). activation: one of ACTIVATIONS (alpha and limit are swiglu_oai's).
+    nothing is copied). activation: one of ACTIVATIONS (alpha and limit are swiglu_oai's), or a
+    callable [rows, h_in] -> [rows, h] applied between the two grouped GEMMs (no fused kernel; any
+    differentiable torch function). post: a callable applied to each pair's expert output [rows,
+    d], b_out included, before its gate (a post-expert norm).
     out_of_range_slots='skip': pairs whose slot is outside [0, S) (expert parallelism's ids of
     experts held elsewhere) add nothing and get no gradient; 'error' (the default) refuses them.
     capacity_factor c > 0 caps each slot at ceil(c * N * k / S) pairs, keeping the first in
@@ -348,7 +403,10 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str = "gelu", b_i
     last, so they never take a real pair's place under a cap, and they count in no statistic and
     not in the cap. Returns y [N, d], or (y, DispatchStats) with return_stats.
     """
-    form = Form(activation, float(alpha), float(limit))
+    form = Form.of(activation, alpha, limit)
+    if post is not None and not callable(post):
+        raise TypeError(f"expert_mlp: post must be a callable or None, got {type(post).__name__}")
+    post_pair = None if post is None else (b_out, post)  # b_out goes in per pair, before post
     _check_inputs(x, slot_idx, gates, w_in, w_out, form, b_in, b_out, out_of_range_slots)
     N, K = slot_idx.shape
     S = w_in.shape[0]
@@ -361,23 +419,26 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str = "gelu", b_i
     cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
     if path == "rectangle":
-        y, kept, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid)
+        y, kept, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid,
+                                               post_pair)
     else:
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
         if bucketed is None:
             bucketed = path == "grouped" or x.device.type != "cpu"
-        wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out))
+        # The caller's functions may hold parameters of their own (a norm's weight).
+        wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out)) or (
+            torch.is_grad_enabled() and (form.fn is not None or post is not None))
         if _use_decode(N, cap, wants_grad, skip):
             # Writing wants no gradient: the ops then run straight to their kernels, skipping the
             # Python autograd wrapper that registered ops pass through (~20 us per call).
             with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():
-                y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out, form, b_in, valid)
+                y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out, form, b_in, valid, post_pair)
             kept, executed = valid, N * K  # nothing dropped but the skipped, nothing padded
         else:
             y, kept, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed, form, b_in,
-                                                 skip)
+                                                 skip, post_pair)
         groups = len(reference.groups(rows_A)) if return_stats else 0
-    if b_out is not None:
+    if b_out is not None and post is None:
         y = _add_out_bias(y, b_out, slot_idx, gates, kept)
     if not return_stats:
         return y

@@ -83,6 +83,16 @@ def _fake_registrations(lib: str = "minagi") -> None:
         return h.new_empty(h.shape), h.new_empty((n_slots, h.shape[1]) if bias_grad else (0,))
 
 
+def _wgrad(ops, a_EI, grad_EO, b_SIO, slot_ids, slot_rows, n_slots: int):
+    """b's gradient in b's own layout. A weight stored [S, out, in] (nn.Linear's) comes in as its
+    .mT view: the transposed problem's gradient, [S, out, in], viewed back, gives its parameter a
+    contiguous gradient that autograd takes as is, where [S, in, out] would be copied to the
+    parameter's layout (one more weight-sized buffer and pass per call)."""
+    if not b_SIO.is_contiguous() and b_SIO.mT.is_contiguous():
+        return ops.grouped_mm_wgrad(grad_EO, a_EI, slot_ids, slot_rows, n_slots).mT
+    return ops.grouped_mm_wgrad(a_EI, grad_EO, slot_ids, slot_rows, n_slots)
+
+
 def _autograd_registrations(lib: str = "minagi") -> None:
     ops = getattr(torch.ops, lib)
 
@@ -138,8 +148,7 @@ def _autograd_registrations(lib: str = "minagi") -> None:
     def mm_bwd(ctx, grad):
         a, b, slot_ids, slot_rows = ctx.saved_tensors
         grad_a = ops.grouped_mm(grad, b.transpose(1, 2), slot_ids, slot_rows) if ctx.needs_input_grad[0] else None
-        grad_b = (ops.grouped_mm_wgrad(a, grad, slot_ids, slot_rows, ctx.n_slots)
-                  if ctx.needs_input_grad[1] else None)
+        grad_b = _wgrad(ops, a, grad, b, slot_ids, slot_rows, ctx.n_slots) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b, None, None
 
     torch.library.register_autograd(f"{lib}::grouped_mm", mm_bwd, setup_context=mm_setup)
@@ -160,6 +169,7 @@ def _autograd_registrations(lib: str = "minagi") -> None:
     def act_setup(ctx, inputs, output):
         a, b, bias, slot_ids, slot_rows, activation, alpha, limit = inputs
         ctx.form, ctx.n_slots, ctx.has_bias = (activation, alpha, limit), b.shape[0], bias is not None
+        ctx.set_materialize_grads(False)  # h's gradient is None when h is unused: no [E, 2h] zeros to add
         ctx.save_for_backward(a, b, slot_ids, slot_rows, output[0])
 
     def act_bwd(ctx, grad_h, grad_out):
@@ -178,8 +188,7 @@ def _autograd_registrations(lib: str = "minagi") -> None:
                                                                       grad_h)
                 gb = extra if gb is None else gb + extra
         grad_a = ops.grouped_mm(gh, b.transpose(1, 2), slot_ids, slot_rows) if ctx.needs_input_grad[0] else None
-        grad_b = (ops.grouped_mm_wgrad(a, gh, slot_ids, slot_rows, ctx.n_slots)
-                  if ctx.needs_input_grad[1] else None)
+        grad_b = _wgrad(ops, a, gh, b, slot_ids, slot_rows, ctx.n_slots) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b, gb if want_bias else None, None, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::grouped_mm_act", act_bwd, setup_context=act_setup)

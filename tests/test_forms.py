@@ -207,7 +207,7 @@ def test_bad_forms_and_biases_are_named(path):
                           path=path, **args)
 
     with pytest.raises(ValueError, match="activation must be one of gelu, gelu_tanh, silu, relu2, swiglu, "
-                                         "swiglu_interleaved, swiglu_oai, got 'geglu'"):
+                                         "swiglu_interleaved, swiglu_oai or a callable, got 'geglu'"):
         call(activation="geglu")
     with pytest.raises(ValueError, match=r"gated form 'swiglu' needs w_in \[S, d, 2h\].*width is 4, w_out's h is 4"):
         call(activation="swiglu")
@@ -235,3 +235,84 @@ def test_compiled_op_errors_name_the_argument(compiled):
         compiled.grouped_mm_act(a, b, None, ids, rows, "swiglu", 1.0, 1.0)
     with pytest.raises(RuntimeError, match=r"bias must be \[S, M\] = \[2, 5\]"):
         compiled.grouped_mm_act(a, b, torch.zeros(5), ids, rows, "gelu", 1.0, 1.0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "mT"])
+@pytest.mark.parametrize("path", PATHS)
+def test_callable_activation_and_post_match_the_loop(path, layout):
+    # A model's own gate (a clamped GELU-gated unit no kernel fuses) and a post-expert norm with a
+    # weight of its own: the general path, forward and every gradient, against the loop.
+    idx, master, leaves = problem("swiglu", torch.float64, True, layout)
+    H = master["w_out"].shape[1]
+    norm = torch.nn.RMSNorm(master["x"].shape[1], dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+
+    def gate(h):
+        return F.gelu(h[..., :H].clamp(max=2.0)) * h[..., H:]
+
+    def loop(x, gates, w_in, w_out, b_in, b_out):
+        rows = []
+        for n in range(x.shape[0]):
+            y = x.new_zeros(x.shape[1])
+            for j in range(idx.shape[1]):
+                s = int(idx[n, j])
+                y = y + gates[n, j] * norm(gate(x[n] @ w_in[s] + b_in[s]) @ w_out[s] + b_out[s])
+            rows.append(y)
+        return torch.stack(rows)
+
+    v = passed(leaves, layout)
+    y = expert_mlp(v["x"], idx, v["gates"], v["w_in"], v["w_out"], activation=gate, b_in=v["b_in"],
+                   b_out=v["b_out"], post=norm, path=path)
+    ref = loop(*(master[k] for k in ("x", "gates", "w_in", "w_out", "b_in", "b_out")))
+    assert rel(y, ref) < 1e-12
+    gy = torch.randn_like(y)
+    got = grads_of(y, leaves, gy, layout)
+    master_leaves = {k: t.clone().requires_grad_() for k, t in master.items()}
+    ref = loop(*(master_leaves[k] for k in ("x", "gates", "w_in", "w_out", "b_in", "b_out")))
+    want = dict(zip(master_leaves, torch.autograd.grad(ref, list(master_leaves.values()), gy)))
+    for k in master_leaves:
+        assert rel(got[k], want[k]) < 1e-12, k
+    with torch.no_grad():  # a handful of characters: the decode path
+        y4 = expert_mlp(v["x"][:4], idx[:4], v["gates"][:4], v["w_in"], v["w_out"], activation=gate, b_in=v["b_in"],
+                        b_out=v["b_out"], post=norm, path=path)
+        assert rel(y4, loop(*(master[k][:4] if k in ("x", "gates") else master[k]
+                              for k in ("x", "gates", "w_in", "w_out", "b_in", "b_out")))) < 1e-12
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_post_norm_weight_gets_the_loops_gradient(path):
+    idx, master, leaves = problem("gelu", torch.float64, False, "contiguous")
+    norm = torch.nn.LayerNorm(master["x"].shape[1], dtype=torch.float64)
+    y = expert_mlp(leaves["x"], idx, leaves["gates"], leaves["w_in"], leaves["w_out"], post=norm, path=path)
+    (g_w, g_b) = torch.autograd.grad((y * y).sum(), [norm.weight, norm.bias])
+    rows = [sum(master["gates"][n, j] * norm(F.gelu(master["x"][n] @ master["w_in"][idx[n, j]])
+                                           @ master["w_out"][idx[n, j]]) for j in range(idx.shape[1]))
+            for n in range(idx.shape[0])]
+    r_w, r_b = torch.autograd.grad((torch.stack(rows) ** 2).sum(), [norm.weight, norm.bias])
+    assert rel(g_w, r_w) < 1e-12 and rel(g_b, r_b) < 1e-12
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_callable_and_post_shape_errors_are_named(path):
+    idx, _, leaves = problem("gelu", torch.float32, False, "contiguous")
+    x, gates, w_in, w_out = (leaves[k].detach() for k in ("x", "gates", "w_in", "w_out"))
+    with pytest.raises(ValueError, match=r"the activation .* must map h"):
+        expert_mlp(x, idx, gates, w_in, w_out, activation=lambda h: h.sum(0), path=path)
+    with pytest.raises(ValueError, match=r"post .* must keep the shape"):
+        expert_mlp(x, idx, gates, w_in, w_out, post=lambda o: o[:, :2], path=path)
+    with pytest.raises(TypeError, match="post must be a callable"):
+        expert_mlp(x, idx, gates, w_in, w_out, post="rmsnorm", path=path)
+
+
+@requires_ext
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_mT_weight_gradients_come_back_in_the_parameters_layout(act):
+    # A weight stored [S, out, in] and passed as .mT gets its gradient in the view's own strides,
+    # so the parameter's is contiguous without the layout copy autograd would otherwise make.
+    idx, _, leaves = problem(act, torch.float32, False, "mT", N=40)
+    v = passed(leaves, "mT")
+    y = expert_mlp(v["x"], idx, v["gates"], v["w_in"], v["w_out"], activation=act, path="compiled")
+    g_in, g_out = torch.autograd.grad(y.sum(), [v["w_in"], v["w_out"]])
+    for k, g in (("w_in", g_in), ("w_out", g_out)):
+        assert g.stride() == v[k].stride() and g.mT.is_contiguous(), k

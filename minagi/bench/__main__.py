@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import data, ddp, dispatch, quality, repro, soak, speed
+from . import data, ddp, dispatch, hf, quality, repro, soak, speed
 
 BENCHES = {"dispatch": dispatch.main, "quality": quality.main, "train": speed.main_train, "write": speed.main_write,
            "soak": soak.main, "data": data.main, "ddp": ddp.main,
-           "repro": repro.main}
+           "repro": repro.main, "hf": hf.main}
 
 
 def main(argv=None) -> int:

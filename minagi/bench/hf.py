@@ -1,0 +1,307 @@
+"""python -m minagi.bench hf: transformers' experts backends against minagi's, on MoE blocks shaped
+like the models people run (scaled to a small machine) and on one whole tiny model's generate().
+
+Each block is the model's own transformers experts module (MixtralExperts, OlmoeExperts, ...)
+with random weights and a random top-k routing; every backend runs the same module, switched
+through config._experts_implementation. Interleaved rounds (each round runs every backend once,
+in a rotated order, so a drift of the machine hits them alike); the median is kept. A backend
+whose one call takes longer than --slow seconds runs one round only. batched_mm is skipped where
+its per-pair weight gather would need more than --max-gb.
+
+Peak memory (fwd+bwd at the largest training size): the peak of the bytes held by the tensors
+created during one call (a dispatch mode counts every op's output storage until it is freed; a
+kernel's internal scratch is not seen), or the CUDA allocator's peak on a GPU.
+
+Targets (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training shape; fwd >=
+1.5x; decode (1 and 4 tokens) >= 2x; peak memory no higher than grouped_mm's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _backend
+
+# name: (config class, experts class module, experts class, config fields). Real models' ratios,
+# scaled: Mixtral-8x7B at hidden 1024 (E8 k2, I/H 2 instead of 3.5); OLMoE-1B-7B (E64 k8) and
+# Qwen3-30B-A3B (E128 k8) at hidden 512; DeepSeek-V3 (E256 k8) at hidden 512; GPT-OSS-20B (E32 k4,
+# biases, [E, in, out] weights, its clamped interleaved gate) at hidden 512.
+BLOCKS = {
+    "mixtral": ("MixtralConfig", "mixtral", "MixtralExperts",
+                dict(hidden_size=1024, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "olmoe", "OlmoeExperts",
+              dict(hidden_size=512, intermediate_size=256, num_experts=64, num_experts_per_tok=8)),
+    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeExperts",
+                  dict(hidden_size=512, moe_intermediate_size=192, num_experts=128, num_experts_per_tok=8)),
+    "deepseek_v3": ("DeepseekV3Config", "deepseek_v3", "DeepseekV3Experts",
+                    dict(hidden_size=512, moe_intermediate_size=128, n_routed_experts=256, num_experts_per_tok=8)),
+    "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssExperts",
+                dict(hidden_size=512, intermediate_size=512, num_local_experts=32, num_experts_per_tok=4)),
+}
+BUILTIN = ("eager", "batched_mm", "grouped_mm")
+
+
+def _block(name: str, dtype: torch.dtype, scale: float = 1.0):
+    """The model's experts module, random weights, in dtype; scale shrinks the widths (for --quick)."""
+    import importlib
+
+    import transformers
+
+    cfg_name, mod, cls, fields = BLOCKS[name]
+    fields = {k: max(8, int(v * scale)) if k.endswith("size") else v for k, v in fields.items()}
+    cfg = getattr(transformers, cfg_name)(**fields, num_attention_heads=8, num_key_value_heads=8)
+    experts = getattr(importlib.import_module(f"transformers.models.{mod}.modeling_{mod}"), cls)(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            fan_in = p.shape[-1] if p.dim() == 3 and not experts.is_transposed else p.shape[-2] if p.dim() == 3 else 1
+            p.copy_(torch.randn(p.shape, generator=g) * (fan_in ** -0.5 if p.dim() == 3 else 0.02))
+    return experts.to(dtype), cfg
+
+
+def _routing(T: int, E: int, k: int, H: int, dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    top_w, top_i = logits.topk(k, dim=-1)
+    return x, top_i, top_w.softmax(-1)  # fp32 routing weights, as the models pass them
+
+
+def _batched_mm_bytes(experts, T: int, k: int) -> int:
+    """batched_mm gathers every pair's weights: T * k copies of one expert's, forward and backward."""
+    per_expert = sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() == 3)
+    return 3 * T * k * per_expert
+
+
+def _call(experts, impl, x, idx, w, train: bool):
+    experts.config._experts_implementation = impl
+    if not train:
+        with torch.no_grad():
+            return experts(x, idx, w)
+    xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = experts(xs, idx, ws)
+    y.backward(torch.ones_like(y))
+    return y
+
+
+def _timed(experts, impl, args, train) -> float:
+    experts.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if args[0].is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    _call(experts, impl, *args, train)
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+class PeakLive(TorchDispatchMode):
+    """The peak bytes of live tensor storages created while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def _count(self, t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.seen or st.nbytes() == 0:
+            return
+        self.seen.add(key)
+        self.live += st.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, key, st.nbytes())
+
+    def _free(self, key, n):
+        self.seen.discard(key)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t, ret in zip(outs, func._schema.returns):
+            if ret.alias_info is None:  # a view or an in-place result holds no new memory
+                self._count(t)
+        return out
+
+
+def _peak_bytes(experts, impl, args) -> int:
+    experts.zero_grad(set_to_none=True)
+    if args[0].is_cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _call(experts, impl, *args, True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    mode = PeakLive()
+    with mode:
+        _call(experts, impl, *args, True)
+    return mode.peak
+
+
+def bench_block(name, dtype, T, train, backends, rounds, slow_s, max_gb, device, scale=1.0, log=print):
+    """ms per call (median over interleaved rounds) per backend for one block, size and mode."""
+    experts, cfg = _block(name, dtype, scale)
+    experts.to(device)
+    E, k = experts.num_experts, cfg.num_experts_per_tok
+    x, idx, w = (t.to(device) for t in _routing(T, E, k, cfg.hidden_size, dtype))
+    args = (x, idx, w)
+    times, skipped = {}, {}
+    for impl in backends:
+        if impl == "batched_mm" and _batched_mm_bytes(experts, T, k) > max_gb * 2**30:
+            skipped[impl] = f"needs ~{_batched_mm_bytes(experts, T, k) / 2**30:.0f} GB"
+    live = [b for b in backends if b not in skipped]
+    for impl in live:  # warm-up; a slow backend's warm-up is its one round
+        t = _timed(experts, impl, args, train)
+        times[impl] = [t] if t > slow_s * 1e3 else []
+    for r in range(rounds):
+        order = live[r % len(live):] + live[:r % len(live)]
+        for impl in order:
+            if len(times[impl]) == 1 and times[impl][0] > slow_s * 1e3:
+                continue
+            times[impl].append(_timed(experts, impl, args, train))
+    ms = {impl: statistics.median(v) for impl, v in times.items()}
+    return {"block": name, "dtype": str(dtype).replace("torch.", ""), "tokens": T, "mode": "fwd+bwd" if train else
+            "fwd", "ms": ms, "rounds": {i: len(v) for i, v in times.items()}, "skipped": skipped,
+            "shape": {"E": E, "k": k, "H": cfg.hidden_size,
+                      "I": experts.down_proj.shape[-1 if not experts.is_transposed else -2]}}
+
+
+def peak_memory(name, dtype, T, backends, max_gb, device, scale=1.0):
+    experts, cfg = _block(name, dtype, scale)
+    experts.to(device)
+    args = tuple(t.to(device) for t in _routing(T, experts.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                                  dtype))
+    out = {}
+    for impl in backends:
+        if impl == "batched_mm" and _batched_mm_bytes(experts, T, cfg.num_experts_per_tok) > max_gb * 2**30:
+            continue
+        out[impl] = _peak_bytes(experts, impl, args)
+    return out
+
+
+def bench_generate(backends, rounds, new_tokens=32, device="cpu"):
+    """Tokens/s of one tiny Qwen3-MoE-like model's greedy generate() per backend."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                                      moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(device)
+    ids = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(2)).to(device)
+    times = {b: [] for b in backends}
+    for r in range(rounds + 1):
+        for impl in backends[r % len(backends):] + backends[:r % len(backends)]:
+            model.set_experts_implementation(impl)
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            if r:  # round 0 warms up
+                times[impl].append(time.perf_counter() - t0)
+    return {impl: new_tokens / statistics.median(v) for impl, v in times.items()}
+
+
+def check_targets(results, peaks) -> list[tuple[str, float, str, bool]]:
+    out = []
+    for r in results:
+        builtin = {b: t for b, t in r["ms"].items() if b in BUILTIN}
+        if "minagi" not in r["ms"] or not builtin:
+            continue
+        best = min(builtin, key=builtin.get)
+        ratio = builtin[best] / r["ms"]["minagi"]
+        decode = r["mode"] == "fwd" and r["tokens"] <= 4
+        need = 2.0 if r["mode"] == "fwd+bwd" or decode else 1.5
+        what = f"{r['block']} {r['dtype']} T={r['tokens']} {'decode' if decode else r['mode']} vs {best}"
+        out.append((what, ratio, f">= {need}x", ratio >= need))
+    for (block, dtype), p in peaks.items():
+        if "minagi" in p and "grouped_mm" in p:
+            ratio = p["minagi"] / p["grouped_mm"]
+            out.append((f"{block} {dtype} peak memory minagi/grouped_mm", ratio, "<= 1.0x", ratio <= 1.0))
+    return out
+
+
+def _print_row(r):
+    ms = r["ms"]
+    builtin = {b: t for b, t in ms.items() if b in BUILTIN}
+    best = min(builtin, key=builtin.get) if builtin else None
+    cells = "  ".join(f"{b} {ms[b]:9.2f}" if b in ms else f"{b} {'skip':>9}" for b in (*BUILTIN, "minagi"))
+    ratio = f"  x{builtin[best] / ms['minagi']:.2f} vs {best}" if best and "minagi" in ms else ""
+    print(f"{r['block']:<12}{r['dtype']:<9}{r['mode']:<8}T={r['tokens']:<5} {cells}{ratio}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minagi.bench hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated subset of {', '.join(BLOCKS)}")
+    p.add_argument("--tokens", default="512,2048", help="training sizes (forward and forward+backward)")
+    p.add_argument("--decode", default="1,4", help="decode sizes (forward, no gradient)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--backends", default=",".join((*BUILTIN, "minagi")))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (median kept)")
+    p.add_argument("--slow", type=float, default=4.0, help="a backend slower than this (s) runs one round")
+    p.add_argument("--max-gb", type=float, default=6.0, help="skip batched_mm where it would need more")
+    p.add_argument("--no-generate", action="store_true", help="skip the whole-model generate() rows")
+    p.add_argument("--quick", action="store_true", help="widths / 8 and small sizes: a smoke run")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    a = p.parse_args(argv)
+    try:
+        import transformers
+    except ImportError:
+        p.error('needs transformers: pip install --no-build-isolation -e ".[hf]"')
+    from .. import hf
+
+    hf.register()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    scale = 0.125 if a.quick else 1.0
+    blocks = [b.strip() for b in a.blocks.split(",") if b.strip()]
+    unknown = [b for b in blocks if b not in BLOCKS]
+    if unknown:
+        p.error(f"unknown block(s) {', '.join(unknown)}; choose from {', '.join(BLOCKS)}")
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    tokens = [int(t) for t in a.tokens.split(",") if t]
+    decode = [int(t) for t in a.decode.split(",") if t]
+    dtypes = [getattr(torch, d) for d in a.dtypes.split(",") if d]
+    ext = "loaded" if _backend.loaded() else f"not loaded ({_backend.state().reason})"
+    print(f"minagi.bench hf: torch {torch.__version__}, transformers {transformers.__version__}, {a.device}, "
+          f"{torch.get_num_threads()} threads, extension {ext}; ms per call, median of {a.rounds} interleaved "
+          "rounds", flush=True)
+    results, peaks = [], {}
+    for name in blocks:
+        for dtype in dtypes:
+            for T, train in [(t, m) for t in tokens for m in (False, True)] + [(t, False) for t in decode]:
+                r = bench_block(name, dtype, T, train, backends, a.rounds, a.slow, a.max_gb, a.device, scale)
+                results.append(r)
+                _print_row(r)
+            if tokens:
+                dt = str(dtype).replace("torch.", "")
+                peaks[(name, dt)] = peak_memory(name, dtype, max(tokens), backends, a.max_gb, a.device, scale)
+                print(f"{name:<12}{dt:<9}peak MiB fwd+bwd T={max(tokens)}: " + "  ".join(
+                    f"{b} {v / 2**20:.1f}" for b, v in peaks[(name, dt)].items()), flush=True)
+    gen = {} if a.no_generate else bench_generate(backends, a.rounds, 8 if a.quick else 32, a.device)
+    if gen:
+        print("generate() tokens/s, tiny Qwen3-MoE-like model (4 layers, hidden 256, E32 k4): " +
+              "  ".join(f"{b} {v:.1f}" for b, v in gen.items()))
+    targets = check_targets(results, peaks)
+    if targets:
+        print("\ntargets:")
+        for what, value, target, met in targets:
+            print(f"  {what:<58}{value:>7.2f}  target {target:<8} {'met' if met else 'NOT MET'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "device": a.device,
+                       "threads": torch.get_num_threads(), "extension": _backend.loaded(), "results": results,
+                       "peak_bytes": {f"{b} {d}": v for (b, d), v in peaks.items()}, "generate_tokens_per_s": gen,
+                       "targets": [dict(zip(("what", "value", "target", "met"), t)) for t in targets]}, f, indent=2)
+    return 0

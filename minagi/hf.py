@@ -1,0 +1,174 @@
+"""minagi as a transformers experts backend: any MoE model whose experts module carries
+transformers' `@use_experts_implementation` runs its experts through minagi's grouped dispatch.
+
+    import minagi.hf
+    minagi.hf.register()                        # adds the experts implementation "minagi"
+    model.set_experts_implementation("minagi")  # or from_pretrained(..., experts_implementation="minagi")
+
+The model routes; the backend reads the experts module's weights and the decorator's flags and
+calls `minagi.expert_mlp`:
+  - weights stored [E, out, in] (is_transposed False, nn.Linear's layout) are passed as .mT views:
+    nothing is copied per call;
+  - a gated module whose gate is transformers' default (`act_fn(gate) * up` on the two halves) with
+    a SiLU act_fn takes the fused "swiglu" form; GPT-OSS's clamped interleaved gate takes
+    "swiglu_oai"; a non-gated module whose act_fn is exact GELU, tanh GELU, SiLU or relu^2 takes
+    that form;
+  - any other gate or activation (a model's own `_apply_gate`, another act_fn) and a post-expert
+    norm go through the same plan and grouped GEMMs with the module's own function between them;
+  - expert parallelism's sentinel ids (>= num_experts) add nothing (out_of_range_slots="skip").
+Where it cannot honour a module (weights that are not plain floating tensors of one dtype, a flag
+of a newer transformers that it does not know), it warns once, naming the model and the flag, and
+runs transformers' grouped_mm instead.
+
+`import minagi.hf` works without transformers; `register()` then says how to install it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import expert_mlp
+
+NAME = "minagi"
+INSTALL = 'pip install --no-build-isolation -e ".[hf]"  (or: pip install "transformers>=5.0")'
+
+# The decorator's flags this backend honours, with the value that means "absent".
+KNOWN_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
+               "has_post_expert_norm": False}
+_warned: set[tuple[str, str]] = set()
+
+
+def register(name: str = NAME) -> None:
+    """Add minagi's experts implementation to transformers under `name` (again: nothing changes)."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as e:
+        raise ImportError("minagi.hf.register() needs transformers 5 or newer (its experts interface): "
+                          f"{INSTALL}") from e
+    ExpertsInterface.register(name, experts_forward)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """How one experts module maps onto expert_mlp."""
+    w_in: torch.Tensor  # [E, H, I or 2I]
+    w_out: torch.Tensor  # [E, I, H]
+    b_in: torch.Tensor | None
+    b_out: torch.Tensor | None
+    activation: object  # a form's name, or the module's own function
+    alpha: float = 1.702
+    limit: float = 7.0
+    post: object = None
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts implementation: hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]
+    -> [T, H] in hidden_states' dtype."""
+    call = _call(self)
+    if isinstance(call, str):
+        _warn_once(self, call)
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    x = hidden_states.to(call.w_in.dtype)  # autocast may hand fp32 states to bf16 experts
+    skip = "skip" if getattr(self, "_is_expert_parallel", False) else "error"
+    y = expert_mlp(x, top_k_index.long(), top_k_weights, call.w_in, call.w_out, activation=call.activation,
+                   b_in=call.b_in, b_out=call.b_out, alpha=call.alpha, limit=call.limit, post=call.post,
+                   out_of_range_slots=skip)
+    return y.to(hidden_states.dtype)
+
+
+def _call(m) -> _Call | str:
+    """The module's expert_mlp call, or why it cannot be made ("flag: reason")."""
+    unknown = [f for f in _decorator_flags() if f not in KNOWN_FLAGS and getattr(m, f, None)]
+    if unknown:
+        return f"{unknown[0]}: a flag this version of minagi does not know"
+    gated, transposed = getattr(m, "has_gate", True), getattr(m, "is_transposed", False)
+    names = ("gate_up_proj" if gated else "up_proj", "down_proj")
+    if getattr(m, "has_bias", False):
+        names += tuple(f"{n}_bias" for n in names)
+    tensors = [getattr(m, n, None) for n in names]
+    for n, t in zip(names, tensors):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_floating_point():
+            what = type(t).__name__ if type(t) not in (torch.Tensor, torch.nn.Parameter) else t.dtype
+            return f"{n}: a {what}, not a plain floating-point tensor (quantized or sharded weights)"
+        if t.dtype != tensors[0].dtype:
+            return f"{n}: {t.dtype}, not {names[0]}'s {tensors[0].dtype} (minagi's experts take one dtype)"
+    w_in, w_out = tensors[:2] if transposed else (tensors[0].mT, tensors[1].mT)
+    b_in, b_out = tensors[2:] if len(tensors) == 4 else (None, None)
+    post = m.post_expert_norm if getattr(m, "has_post_expert_norm", False) else None
+    activation, alpha, limit = _activation(m, gated)
+    return _Call(w_in, w_out, b_in, b_out, activation, alpha, limit, post)
+
+
+def _activation(m, gated: bool):
+    """The fused form matching the module's gate or act_fn, else the module's own function."""
+    act = getattr(m, "act_fn", None)
+    if gated:
+        gate = type(m)._apply_gate
+        if gate is _default_gate() and _plain_activation(act) == "silu":
+            return "swiglu", 1.702, 7.0
+        if gate is _gpt_oss_gate():
+            return "swiglu_oai", float(m.alpha), float(m.limit)
+        return m._apply_gate, 1.702, 7.0
+    return _plain_activation(act) or act, 1.702, 7.0
+
+
+def _plain_activation(act) -> str | None:
+    """The form whose math an act_fn module computes exactly, by its type (not a subclass, which
+    may compute something else)."""
+    import torch.nn.functional as F
+    from transformers import activations as A
+
+    kind = type(act)
+    if kind in (A.SiLUActivation, torch.nn.SiLU):
+        return "silu"
+    if kind is A.GELUActivation and act.act is F.gelu:
+        return "gelu"
+    if kind is torch.nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}[act.approximate]
+    if kind is A.GELUTanh and isinstance(act.act, functools.partial):
+        return "gelu_tanh"
+    if kind is A.ReLUSquaredActivation:
+        return "relu2"
+    return None
+
+
+@functools.cache
+def _default_gate():
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate
+
+
+@functools.cache
+def _gpt_oss_gate():
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return None
+    return GptOssExperts._apply_gate
+
+
+@functools.cache
+def _decorator_flags() -> tuple[str, ...]:
+    """The flags of the installed transformers' @use_experts_implementation."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    params = inspect.signature(use_experts_implementation).parameters
+    return tuple(p for p in params if p not in ("experts_class", "experts_interface"))
+
+
+def _warn_once(m, why: str) -> None:
+    model = getattr(getattr(m, "config", None), "model_type", None) or "?"
+    key = (f"{model}.{type(m).__name__}", why)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"minagi experts backend: {type(m).__name__} of the {model!r} model runs on transformers' "
+                  f"grouped_mm instead: {why}", stacklevel=3)

@@ -1,0 +1,258 @@
+"""minagi.hf: minagi as a transformers experts backend, against transformers' own "eager" on tiny
+randomly initialised models built from configs (nothing is downloaded)."""
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import minagi.dispatch  # noqa: E402
+import minagi.hf  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+VOCAB = 96
+BASE = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, initializer_range=0.1)
+
+
+def _configs():
+    t = transformers
+    return {
+        "mixtral": lambda: t.MixtralConfig(**BASE, num_hidden_layers=2, intermediate_size=48, num_local_experts=4,
+                                           num_experts_per_tok=2),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**BASE, num_hidden_layers=2, intermediate_size=48,
+                                              moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                              num_experts=6, num_experts_per_tok=2),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_hidden_layers=2, head_dim=8, intermediate_size=48,
+                                              moe_intermediate_size=24, num_experts=8, num_experts_per_tok=3),
+        "olmoe": lambda: t.OlmoeConfig(**BASE, num_hidden_layers=2, intermediate_size=24, num_experts=8,
+                                       num_experts_per_tok=4),
+        "deepseek_v3": lambda: t.DeepseekV3Config(**BASE, num_hidden_layers=2, intermediate_size=48,
+                                                  moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+                                                  num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
+                                                  topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                                                  qk_nope_head_dim=4, v_head_dim=8),
+        "gpt_oss": lambda: t.GptOssConfig(**BASE, num_hidden_layers=2, head_dim=8, intermediate_size=24,
+                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                          layer_types=["sliding_attention", "full_attention"]),
+        # Non-gated relu^2 experts; the pattern opens with a Mamba layer (transformers' cache for a
+        # pattern that opens with "moe" fails in generate, with any experts backend).
+        "nemotron_h": lambda: t.NemotronHConfig(**BASE, head_dim=8, layers_block_type=["mamba", "moe", "attention",
+                                                                                         "moe"],
+                                                moe_intermediate_size=24, moe_shared_expert_intermediate_size=24,
+                                                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8,
+                                                ssm_state_size=8, n_groups=1),
+        # The default gate with an act_fn no kernel fuses (gelu_new): the general path.
+        "mixtral_gelu_new": lambda: t.MixtralConfig(**BASE, num_hidden_layers=2, intermediate_size=48,
+                                                    num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu_new"),
+    }
+
+
+CONFIGS = _configs()
+FUSED = {"mixtral": "swiglu", "qwen2_moe": "swiglu", "qwen3_moe": "swiglu", "olmoe": "swiglu",
+         "deepseek_v3": "swiglu", "gpt_oss": "swiglu_oai", "nemotron_h": "relu2", "mixtral_gelu_new": None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    minagi.hf.register()
+
+
+def _model(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
+
+
+def _experts(model):
+    return [m for m in model.modules() if hasattr(m, "has_gate")]
+
+
+def _logits(model, impl, ids):
+    model.set_experts_implementation(impl)
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.float()
+
+
+def _ids(batch=2, seq=12, seed=1):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_backend_takes_the_fused_form_where_one_matches(name):
+    experts = _experts(_model(name))
+    assert experts
+    for e in experts:
+        call = minagi.hf._call(e)
+        assert not isinstance(call, str), call
+        if FUSED[name]:
+            assert call.activation == FUSED[name]
+        else:
+            assert callable(call.activation)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_eager_fp32(name):
+    model, ids = _model(name), _ids()
+    ref = _logits(model, "eager", ids)
+    got = _logits(model, "minagi", ids)
+    assert _rel(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bf16_error_at_most_twice_eager_own(name):
+    model, ids = _model(name), _ids()
+    ref = _logits(model, "eager", ids)
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    err_eager = (_logits(bf, "eager", ids) - ref).abs().max().item()
+    err_minagi = (_logits(bf, "minagi", ids) - ref).abs().max().item()
+    assert err_eager > 0
+    assert err_minagi <= 2 * err_eager, (err_minagi, err_eager)
+
+
+def _grads(model, impl, ids):
+    model.set_experts_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    model.eval()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gradients_of_every_parameter_match_eager(name):
+    model, ids = _model(name), _ids()
+    ref, got = _grads(model, "eager", ids), _grads(model, "minagi", ids)
+    experts_grads = 0
+    for n, g_ref in ref.items():
+        g = got[n]
+        assert (g is None) == (g_ref is None), n
+        if g_ref is None:
+            continue
+        scale = g_ref.abs().max().item()
+        assert (g - g_ref).abs().max().item() <= 1e-5 * scale + 1e-9, n
+        experts_grads += ".experts." in n and scale > 0
+    assert experts_grads >= 2  # the expert weights (and biases) got real gradients
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generate_identical_and_decode_takes_few_characters_path(name, monkeypatch):
+    model, ids = _model(name), _ids(batch=1, seq=6)
+    model.set_experts_implementation("eager")
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False)
+    calls = []
+    decode = minagi.dispatch._decode
+    monkeypatch.setattr(minagi.dispatch, "_decode", lambda ops, x, *a: calls.append(x.shape[0]) or decode(ops, x, *a))
+    model.set_experts_implementation("minagi")
+    got = model.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(got, ref)
+    n_experts = len(_experts(model))
+    assert calls.count(1) == 15 * n_experts  # every one-token step after the prompt, every MoE layer
+
+
+def test_expert_parallel_sentinels_add_nothing_and_get_no_gradient():
+    e = _experts(_model("mixtral"))[0]
+    E = e.num_experts
+    x = torch.randn(5, 32, requires_grad=True)
+    idx = torch.tensor([[0, E], [1, 2], [E + 3, 3], [E, E], [2, 0]])
+    w = torch.rand(5, 2, requires_grad=True)
+    e._is_expert_parallel = True
+    y = minagi.hf.experts_forward(e, x, idx, w)
+    keep = idx < E
+    y_ref = minagi.hf.experts_forward(e, x, idx.clamp(max=E - 1), w * keep)  # the sentinels' pairs at gate 0
+    torch.testing.assert_close(y, y_ref)
+    assert y[3].abs().max() == 0
+    y.sum().backward()
+    assert torch.all(w.grad[~keep] == 0) and torch.all(w.grad[keep] != 0)
+
+
+def test_fallback_warns_once_naming_model_and_flag_and_matches_grouped_mm():
+    model, ids = _model("qwen3_moe"), _ids()
+    for e in _experts(model):  # down_proj in another dtype than gate_up_proj: not one expert_mlp call
+        e.down_proj.data = e.down_proj.data.bfloat16()
+    ref = _logits(model, "grouped_mm", ids)
+    minagi.hf._warned.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _logits(model, "minagi", ids)
+        _logits(model, "minagi", ids)
+    ours = [str(w.message) for w in seen if "minagi experts backend" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "qwen3_moe" in ours[0] and "down_proj" in ours[0] and "grouped_mm" in ours[0]
+    assert torch.equal(got, ref)
+
+
+def test_unknown_decorator_flag_falls_back(monkeypatch):
+    e = _experts(_model("mixtral"))[0]
+    monkeypatch.setattr(minagi.hf, "_decorator_flags", lambda: ("is_transposed", "has_fp4_scales"))
+    e.has_fp4_scales = True
+    assert minagi.hf._call(e).startswith("has_fp4_scales:")
+
+
+def test_register_twice_and_the_name_is_valid():
+    minagi.hf.register()
+    minagi.hf.register()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ALL_EXPERTS_FUNCTIONS["minagi"] is minagi.hf.experts_forward
+    model = _model("mixtral")
+    model.set_experts_implementation("minagi")
+    assert model.config._experts_implementation == "minagi"
+
+
+def test_model_without_decorated_experts_keeps_transformers_behaviour():
+    cfg = transformers.LlamaConfig(**BASE, num_hidden_layers=1, intermediate_size=48)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.set_experts_implementation("minagi")  # transformers' own rule: nothing to switch
+        assert torch.equal(model(ids).logits, ref)
+    with pytest.raises(ValueError, match="not supported"):  # transformers' own error for an unknown name
+        model.set_experts_implementation("minagi-typo")
+
+
+def test_import_without_transformers_and_register_says_what_to_install():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import minagi.hf\n"
+            "try:\n    minagi.hf.register()\nexcept ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERR" in out.stdout and ".[hf]" in out.stdout
+
+
+def test_post_expert_norm_module_matches_eager_forward_and_backward():
+    from transformers.models.muse_spark import modeling_muse_spark as ms
+
+    cfg = ms.MuseSparkTextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, moe_hidden_size=32, moe_intermediate_size=16, num_local_experts=4,
+                                 num_experts_per_tok=2, hidden_act="silu")
+    torch.manual_seed(0)
+    e = ms.MuseSparkExperts(cfg)
+    assert e.has_post_expert_norm
+    with torch.no_grad():
+        for p in e.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    x = torch.randn(7, 32)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(7)])
+    w = torch.rand(7, 2)
+
+    def run(impl):
+        cfg._experts_implementation = impl
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        e.zero_grad(set_to_none=True)
+        y = e(xs, idx, ws)
+        (y * torch.linspace(-1, 1, 32)).sum().backward()
+        return [y, xs.grad, ws.grad] + [p.grad for p in e.parameters()]
+
+    assert callable(minagi.hf._call(e).post)
+    for got, ref in zip(run("minagi"), run("eager")):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -263,6 +263,49 @@ def _form_args(form: Form):
     return form.activation, form.alpha, form.limit
 
 
+class _FirstGemm(torch.autograd.Function):
+    """The fused first layer as two autograd nodes: this one (buf @ w_in + b_in, whose forward runs
+    the fused op and leaves its activation in `stash` for _FirstAct) and _FirstAct. Split, the
+    backward frees h and the activation's gradient before the weight gradient is made; one node
+    would hold both through it (the peak of a training step)."""
+
+    @staticmethod
+    def forward(ctx, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form, ops, stash):
+        h_EH, a_EH = ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))
+        stash.append(a_EH)
+        ctx.ops = ops
+        ctx.save_for_backward(buf_ED, w_in_SDH, order_A, rows_A)
+        return h_EH
+
+    @staticmethod
+    def backward(ctx, grad_h_EH):
+        buf_ED, w_in_SDH, order_A, rows_A = ctx.saved_tensors
+        ops, need = ctx.ops, ctx.needs_input_grad
+        grad_buf = ops.grouped_mm(grad_h_EH, w_in_SDH.transpose(1, 2), order_A, rows_A) if need[0] else None
+        grad_w = _ops._wgrad(ops, buf_ED, grad_h_EH, w_in_SDH, order_A, rows_A, w_in_SDH.shape[0]) if need[1] else None
+        return grad_buf, grad_w, None, None, None, None, None, None  # b_in's comes from _FirstAct
+
+
+class _FirstAct(torch.autograd.Function):
+    """The activation of h (computed by _FirstGemm's fused op); its backward gives h's gradient
+    and, fused into the same pass, b_in's (b_in is an input here so that it gets it)."""
+
+    @staticmethod
+    def forward(ctx, h_EH, b_in_SH, order_A, rows_A, form, ops, stash, n_slots):
+        ctx.form, ctx.ops, ctx.n_slots = form, ops, n_slots
+        ctx.save_for_backward(h_EH, order_A, rows_A)
+        return stash.pop()
+
+    @staticmethod
+    def backward(ctx, grad_a_EH):
+        h_EH, order_A, rows_A = ctx.saved_tensors
+        want_bias = ctx.needs_input_grad[1]
+        # A double backward takes the differentiable twin, through h.
+        fn = reference.expert_act_backward if torch.is_grad_enabled() else ctx.ops.expert_act_backward
+        gh, gb = fn(grad_a_EH.contiguous(), h_EH, order_A, rows_A, *_form_args(ctx.form), ctx.n_slots, want_bias)
+        return gh, gb if want_bias else None, None, None, None, None, None, None
+
+
 def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
     """The form's activation of buf @ w_in + b_in, per slot's rows: the compiled op fuses the
     bias and activation into the GEMM; the pure-torch twin on a GPU keeps its buffers bucketed."""
@@ -276,7 +319,11 @@ def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
         if b_in_SH is not None:
             h_EH = h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
         return BucketedAct.apply(h_EH, form)
-    return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
+    if ops is _ops.REFERENCE or not _wants_grad((buf_ED, w_in_SDH, b_in_SH)):  # the twin: torch's autograd
+        return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
+    stash = []
+    h_EH = _FirstGemm.apply(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form, ops, stash)
+    return _FirstAct.apply(h_EH, b_in_SH, order_A, rows_A, form, ops, stash, w_in_SDH.shape[0])
 
 
 def _post(out_ED, post, spread):

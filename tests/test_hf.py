@@ -12,48 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 import minagi.dispatch  # noqa: E402
 import minagi.hf  # noqa: E402
+from minagi.bench.hf import BASE, TINY, experts_of, grads, logits, rel, tiny_config, tiny_model, token_ids  # noqa: E402,E501
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-VOCAB = 96
-BASE = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, initializer_range=0.1)
-
-
-def _configs():
-    t = transformers
-    return {
-        "mixtral": lambda: t.MixtralConfig(**BASE, num_hidden_layers=2, intermediate_size=48, num_local_experts=4,
-                                           num_experts_per_tok=2),
-        "qwen2_moe": lambda: t.Qwen2MoeConfig(**BASE, num_hidden_layers=2, intermediate_size=48,
-                                              moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                                              num_experts=6, num_experts_per_tok=2),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_hidden_layers=2, head_dim=8, intermediate_size=48,
-                                              moe_intermediate_size=24, num_experts=8, num_experts_per_tok=3),
-        "olmoe": lambda: t.OlmoeConfig(**BASE, num_hidden_layers=2, intermediate_size=24, num_experts=8,
-                                       num_experts_per_tok=4),
-        "deepseek_v3": lambda: t.DeepseekV3Config(**BASE, num_hidden_layers=2, intermediate_size=48,
-                                                  moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
-                                                  num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
-                                                  topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
-                                                  qk_nope_head_dim=4, v_head_dim=8),
-        "gpt_oss": lambda: t.GptOssConfig(**BASE, num_hidden_layers=2, head_dim=8, intermediate_size=24,
-                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                                          layer_types=["sliding_attention", "full_attention"]),
-        # Non-gated relu^2 experts; the pattern opens with a Mamba layer (transformers' cache for a
-        # pattern that opens with "moe" fails in generate, with any experts backend).
-        "nemotron_h": lambda: t.NemotronHConfig(**BASE, head_dim=8, layers_block_type=["mamba", "moe", "attention",
-                                                                                         "moe"],
-                                                moe_intermediate_size=24, moe_shared_expert_intermediate_size=24,
-                                                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-                                                intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8,
-                                                ssm_state_size=8, n_groups=1),
-        # The default gate with an act_fn no kernel fuses (gelu_new): the general path.
-        "mixtral_gelu_new": lambda: t.MixtralConfig(**BASE, num_hidden_layers=2, intermediate_size=48,
-                                                    num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu_new"),
-    }
-
-
-CONFIGS = _configs()
+CONFIGS = TINY
 FUSED = {"mixtral": "swiglu", "qwen2_moe": "swiglu", "qwen3_moe": "swiglu", "olmoe": "swiglu",
          "deepseek_v3": "swiglu", "gpt_oss": "swiglu_oai", "nemotron_h": "relu2", "mixtral_gelu_new": None}
 
@@ -63,27 +25,7 @@ def _registered():
     minagi.hf.register()
 
 
-def _model(name, dtype=torch.float32):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
-
-
-def _experts(model):
-    return [m for m in model.modules() if hasattr(m, "has_gate")]
-
-
-def _logits(model, impl, ids):
-    model.set_experts_implementation(impl)
-    with torch.no_grad():
-        return model(ids, use_cache=False).logits.float()
-
-
-def _ids(batch=2, seq=12, seed=1):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
+_model, _experts, _logits, _ids, _rel, _grads = tiny_model, experts_of, logits, token_ids, rel, grads
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -116,15 +58,6 @@ def test_bf16_error_at_most_twice_eager_own(name):
     err_minagi = (_logits(bf, "minagi", ids) - ref).abs().max().item()
     assert err_eager > 0
     assert err_minagi <= 2 * err_eager, (err_minagi, err_eager)
-
-
-def _grads(model, impl, ids):
-    model.set_experts_implementation(impl)
-    model.zero_grad(set_to_none=True)
-    model.train()
-    model(ids, labels=ids, use_cache=False).loss.backward()
-    model.eval()
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -256,3 +189,20 @@ def test_post_expert_norm_module_matches_eager_forward_and_backward():
     assert callable(minagi.hf._call(e).post)
     for got, ref in zip(run("minagi"), run("eager")):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_bench_hf_quick_run_writes_every_backend_and_the_targets(tmp_path):
+    from minagi.bench import hf as bench
+
+    out = tmp_path / "hf.json"
+    assert bench.main(["--quick", "--rounds", "1", "--tokens", "32", "--decode", "1", "--dtypes", "float32",
+                       "--blocks", "mixtral,gpt_oss", "--no-generate", "--json", str(out)]) == 0
+    import json
+
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 2 * 3  # fwd, fwd+bwd at 32 tokens, decode at 1, per block
+    for r in data["results"]:
+        assert set(r["ms"]) == {"eager", "batched_mm", "grouped_mm", "minagi"}
+        assert all(v > 0 for v in r["ms"].values())
+    assert {t["what"].split()[0] for t in data["targets"]} == {"mixtral", "gpt_oss"}
+    assert set(data["peak_bytes"]["mixtral float32"]) == {"eager", "batched_mm", "grouped_mm", "minagi"}

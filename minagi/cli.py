@@ -22,13 +22,9 @@ from .data import DataError
 from .distributed import DistributedError, launched, rank
 from .guard import Diverged, Interrupted, release_early_signals
 from .plot import PlotError
+from .prog import PROG
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError, DistributedError)
-
-
-# How the commands are called, for usage lines and hints: train.py trains without a subcommand;
-# the minagi command (python -m minagi) names every one (minagi train, minagi write, ...).
-PROG = {"train": "python train.py", "sub": "python train.py"}
 
 
 def train_parser() -> argparse.ArgumentParser:

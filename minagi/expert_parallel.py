@@ -18,15 +18,10 @@ Legend: N characters, K top_k, R pairs (N * K), E ranks of the group, L local ex
 """
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
 from .dispatch import expert_mlp
-from .guard import nonfinite
 
 
 # Bytes this process has sent to other ranks through the forward all_to_alls of rows (the
@@ -119,7 +114,8 @@ class ExpertParallel:
     """A training run's expert parallelism: its groups, and what the trainer does differently.
     The expert weights are left out of DDP; after backward each shard's gradient is summed over
     the ranks that hold the same shard (the data-parallel group) and divided by the ranks, which
-    with DDP's mean of everything else is the gradient of the global batch's mean loss."""
+    with DDP's mean of everything else is the gradient of the global batch's mean loss. The
+    shards' checkpoints (DCP) are checkpoint.py's: save_shards, rest_state, local_state."""
 
     expert_names = SHARDED
 
@@ -170,9 +166,9 @@ class ExpertParallel:
         torch._foreach_mul_([p.grad for p in params], coef.float())
         return total.float()
 
-    def _mesh(self, device: torch.device):
+    def device_mesh(self, device: torch.device):
         """The (data-parallel, expert-parallel) device mesh over this run's own groups: ranks
-        [g * E, (g + 1) * E) are row g, as groups() made them."""
+        [g * E, (g + 1) * E) are row g, as groups() made them (for the checkpoint's DTensors)."""
         if self.mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -181,92 +177,7 @@ class ExpertParallel:
                                               mesh_dim_names=("dp", "ep"))
         return self.mesh
 
-    def _shards(self, model, opt) -> dict:
-        """This rank's expert tensors by checkpoint key (checkpoint.placed): the weights, and their
-        optimizer state (moments, and the per-expert step counts)."""
-        out = {f"model/{k}": t for k, t in model.state_dict().items() if k in SHARDED}
-        flat = [p for g in opt.param_groups for p in g["params"]]
-        for i in self._opt_indices(model, opt):
-            for name, v in opt.state.get(flat[i], {}).items():
-                if v.dim() and v.shape[0] == flat[i].shape[0]:
-                    out[f"optimizer/{i}/{name}"] = v
-        return out
-
-    def _as_dtensor(self, local: torch.Tensor):
-        """One shard as its part of the whole: split over the expert-parallel ranks (dim 0),
-        replicated over the data-parallel ones, so DCP writes each expert once."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        whole = (local.shape[0] * self.ep, *local.shape[1:])
-        return DTensor.from_local(local, self._mesh(local.device), [Replicate(), Shard(0)], run_check=False,
-                                  shape=torch.Size(whole), stride=torch.empty(whole, device="meta").stride())
-
-    def save_shards(self, model, opt, run_dir: Path, step: int, tag: str) -> dict:
-        """Every rank: the expert shards into a new DCP folder of run_dir. Returns the
-        checkpoint's entry for them (the folder; each tensor's whole shape and dtype). tag: the
-        same on every rank (rank 0's), so a save at a step already saved gets a folder of its own."""
-        import torch.distributed.checkpoint as dcp
-
-        name = f"{checkpoint.EXPERTS}{step:08d}-{tag}"
-        shards = {k: self._as_dtensor(v) for k, v in self._shards(model, opt).items()}
-        dcp.save(shards, checkpoint_id=Path(run_dir) / name)
-        tensors = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in shards.items()}
-        return {"folder": name, "tensors": tensors}
-
-    def rest_state(self, model, opt) -> tuple[dict, dict]:
-        """The model's and the optimizer's state dicts without the expert shards (the same on
-        every rank: what checkpoint.pt keeps beside the shard folder)."""
-        shards = self._shards(model, opt)
-        msd = {k: v for k, v in model.state_dict().items() if f"model/{k}" not in shards}
-        osd = opt.state_dict()
-        osd["state"] = {i: {n: v for n, v in st.items() if f"optimizer/{i}/{n}" not in shards}
-                        for i, st in osd["state"].items()}
-        return msd, osd
-
-    @staticmethod
-    def new_tag() -> str:
-        return uuid.uuid4().hex[:8]
-
-    def local_state(self, ckpt: dict, path: Path, model, opt) -> dict:
-        """The checkpoint with this rank's part of the experts: read from its DCP folder (only
-        this rank's rows), or cut from a checkpoint that holds the whole pool."""
-        if "experts" not in ckpt:
-            return self._cut(ckpt, model, opt)
-        import torch.distributed.checkpoint as dcp
-
-        folder = checkpoint.shard_folder(path, ckpt)
-        n = model.pool.w_in.shape[0]
-        mine = {k: self._as_dtensor(torch.empty((n, *shape[1:]), dtype=getattr(torch, dtype), device=model.pool.w_in.device))
-                for k, (shape, dtype) in ckpt["experts"]["tensors"].items()}
-        dcp.load(mine, checkpoint_id=folder)
-        local = {k: t.to_local() for k, t in mine.items()}
-        self._check_finite(folder, local)
-        return checkpoint.placed(ckpt, local)
-
-    def _check_finite(self, folder: Path, local: dict) -> None:
-        """Every rank hears of a non-finite shard (a rank that raised alone would leave the
-        others waiting in their next collective)."""
-        bad = nonfinite(local.items())
-        count = torch.tensor([float(len(bad))], device=next(iter(local.values())).device)
-        dist.all_reduce(count)
-        if count.item():
-            raise checkpoint.nonfinite_error(folder, bad or ["a shard read by another rank"])
-
-    def _cut(self, ckpt: dict, model, opt) -> dict:
-        """A checkpoint of the whole pool cut down to this rank's shard."""
-        n = model.pool.w_in.shape[0]
-        mine = slice(self.rank * n, (self.rank + 1) * n)
-        ckpt = dict(ckpt, model=dict(ckpt["model"]))
-        for k in SHARDED:
-            ckpt["model"][k] = ckpt["model"][k][mine]
-        osd = dict(ckpt["optimizer"], state=dict(ckpt["optimizer"]["state"]))
-        for i in self._opt_indices(model, opt):
-            if i in osd["state"]:
-                osd["state"][i] = {k: v[mine] if v.dim() else v for k, v in osd["state"][i].items()}
-        ckpt["optimizer"] = osd
-        return ckpt
-
-    def _opt_indices(self, model, opt) -> list:
+    def opt_indices(self, model, opt) -> list:
         """The optimizer state's keys (positions over its param groups) of the expert weights."""
         ids = {id(p) for p in self.expert_params(model)}
         flat = [p for g in opt.param_groups for p in g["params"]]

@@ -72,7 +72,7 @@ def format_text(m: dict) -> str:
 
 
 def main(argv) -> int:
-    from .cli import PROG
+    from .prog import PROG
 
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} routes", description=__doc__.split("\n\n")[0])
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")

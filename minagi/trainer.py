@@ -264,8 +264,8 @@ class Run:
         """The checkpoint. rngs: every rank's random state, in rank order (the data position is
         one generator, the same on every rank); experts: under expert parallelism, the entry
         naming the shard folder just written (the expert shards are left out of this part)."""
-        model_sd, opt_sd = self.ep.rest_state(self.model, self.opt) if experts else (self.model.state_dict(),
-                                                                                   self.opt.state_dict())
+        model_sd, opt_sd = (checkpoint.rest_state(self.ep, self.model, self.opt) if experts
+                            else (self.model.state_dict(), self.opt.state_dict()))
         return {
             "model": model_sd, "optimizer": opt_sd, "scheduler": self.sched.state_dict(),
             "step": self.step, "data": self.batches.state(), "config": self.cfg.to_dict(), "record": record,
@@ -279,7 +279,7 @@ class Run:
 
     def restore(self, ckpt: dict) -> Window:
         if self.ep is not None:  # this rank's experts, from the shard folder or the whole pool
-            ckpt = self.ep.local_state(ckpt, self.out_dir / checkpoint.CHECKPOINT, self.model, self.opt)
+            ckpt = checkpoint.local_state(self.ep, ckpt, self.out_dir / checkpoint.CHECKPOINT, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
@@ -437,8 +437,8 @@ def _save(run: Run, window: Window, record: dict) -> None:
     rngs = distributed.gather_objects(run.dist, run.rng_state())
     experts = None
     if run.ep:  # every rank writes its shards (DCP); checkpoint.pt, written after, commits them
-        tag = distributed.gather_objects(run.dist, ExpertParallel.new_tag())[0]
-        experts = run.ep.save_shards(run.model, run.opt, run.out_dir, run.step, tag)
+        tag = distributed.gather_objects(run.dist, checkpoint.new_tag())[0]
+        experts = checkpoint.save_shards(run.ep, run.model, run.opt, run.out_dir, run.step, tag)
     failed = None
     if run.dist.main:
         try:

@@ -9,7 +9,8 @@ import torch
 
 from minagi import checkpoint, expert_mlp
 from minagi.config import load
-from minagi.trainer import build, train
+from minagi.run import build
+from minagi.trainer import train
 
 from conftest import requires_gpu
 from test_trainer import TINY, text_file  # noqa: F401  (a fixture)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import checkpoint, trainer
+from minagi import checkpoint, step, trainer
+from minagi import run as run_
 from minagi.config import load
-from minagi.guard import Diverged, nonfinite
+from minagi.guard import Diverged, DivergenceGuard, nonfinite
 from minagi.model import ByteModel
 
 from test_trainer import TINY, _cli, _history, _signal_at, text_file  # noqa: F401  (a fixture)
@@ -53,12 +54,12 @@ def _state(run):
 def test_a_skipped_step_changes_nothing(tmp_path, text_file, nan_after):
     # A card smaller than the pool: the pool's per-expert step counts must not move either.
     cfg = load("cpu-tiny", [*TINY, f"data.path={text_file}", "train.steps=10"])
-    run, _, _, _, _ = trainer._start(cfg, tmp_path, resume=False)
-    guard = trainer.DivergenceGuard(cfg.train.max_bad_steps)
-    trainer._train_step(run, guard)
+    run, _, _, _, _ = run_.start(cfg, tmp_path, resume=False)
+    guard = DivergenceGuard(cfg.train.max_bad_steps)
+    step.train_step(run, guard)
     before = _state(run)
     nan_after(2)
-    _, _, loss, _, skipped = trainer._train_step(run, guard)
+    _, _, loss, _, skipped = step.train_step(run, guard)
     assert skipped and loss != loss and guard.consecutive == 1 and guard.skipped == 1
     after = _state(run)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -111,7 +112,7 @@ def test_nonfinite_state_is_never_saved(tmp_path, text_file):
     cfg = load("cpu-tiny", [*TINY, f"data.path={text_file}", "train.steps=2"])
     trainer.train(cfg, tmp_path, progress=False)
     good = (tmp_path / "checkpoint.pt").read_bytes()
-    run, window, _, _, _ = trainer._start(cfg, tmp_path, resume=True)
+    run, window, _, _, _ = run_.start(cfg, tmp_path, resume=True)
     with torch.no_grad():
         run.model.pool.w_in[0, 0, 0] = float("inf")
     with pytest.raises(Diverged, match=r"pool.w_in.*step 2"):

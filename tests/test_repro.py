@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from minagi import checkpoint, distributed, trainer
+from minagi import checkpoint, distributed
+from minagi import run as run_
 from minagi.bench.repro import differences
 from minagi.config import load
 from minagi.trainer import train
@@ -71,10 +72,10 @@ def test_the_first_resumed_step_takes_the_replanned_rate(tmp_path, text_file):  
     run = tmp_path / "run"
     cfg = load("cpu-tiny", [*SETS, "train.steps=8", f"data.path={text_file}"])
     train(cfg, run, progress=False)
-    started = trainer._start(cfg, run, resume=True, steps=12)
+    started = run_.start(cfg, run, resume=True, steps=12)
     try:
         resumed = started[0]
-        want = [base * trainer.lr_factor(8, resumed.cfg) for base in resumed.sched.base_lrs]
+        want = [base * run_.lr_factor(8, resumed.cfg) for base in resumed.sched.base_lrs]
         assert [g["lr"] for g in resumed.opt.param_groups] == want
         assert want[0] > cfg.train.lr * cfg.train.min_lr_frac * 1.01
     finally:

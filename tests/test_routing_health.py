@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minagi import checkpoint, trainer
+from minagi import checkpoint, history, trainer
 from minagi.balance import BalanceInputs, BiasBalance
 from minagi.config import load
 from minagi.dispatch import DispatchStats, dispatch_stats
@@ -45,7 +45,7 @@ def test_telemetry_against_loads_counted_by_hand():
     # max_load_ratio; its slots (1, 2) leave slot 7 dead for the window.
     st1 = dispatch_stats(_forced(S, K, [(1, 2)]), S, 0, executed=2, groups=2)
     assert st1.max_load_ratio == 4.0
-    w = trainer.Window()
+    w = history.Window()
     for _ in range(2):
         out = SimpleNamespace(rows_used=torch.ones(1, 100), dispatch=[st0, st1])
         w.add([out], 1.0, 1.0, 100, 0.1, 2)

@@ -12,7 +12,8 @@ import torch
 from minagi import checkpoint
 from minagi.config import ConfigError, load
 from minagi.data import DataError, load_corpus
-from minagi.trainer import build, train
+from minagi.run import build
+from minagi.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=4",

@@ -40,7 +40,7 @@ from ..data import Batches, load_corpus
 from ..evaluate import bits_per_byte
 from ..model import NO_BYTE, VOCAB, ngram_codes
 from ..reference import GATED
-from ..trainer import build
+from ..run import build
 
 MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi", "minagi-wide")
 DEFAULT_MODELS = MODELS[:4]  # minagi-wide costs n_pool / top_k times the MLP: only on request

@@ -167,7 +167,8 @@ def child(a) -> int:
     from .. import allocator
     from ..cli import USER_ERRORS
     from ..guard import Diverged, Interrupted
-    from ..trainer import resolve_device, train
+    from ..run import resolve_device
+    from ..trainer import train
 
     try:
         allocator.ensure()

@@ -14,7 +14,7 @@ import torch
 
 from ..config import load
 from ..pool import PooledMLP
-from ..trainer import build
+from ..run import build
 from ..writer import load_model, write
 from .routings import sink_routing
 

@@ -1,6 +1,7 @@
 """A second corpus anyone can make offline: the plain-text documentation (pydoc) of the running
 Python's standard-library modules, one file per module (~3.7 MB of English docstrings and
-signatures on Python 3.11; no code bodies). The quality bench's README figures use it:
+signatures on Python 3.11; no code bodies). The quality bench's figures in docs/quality.md use
+it:
 
     python tools/docs_corpus.py /tmp/pydoc-corpus
     python -m minagi.bench quality --data /tmp/pydoc-corpus

@@ -147,3 +147,57 @@ def test_docs_corpus_tool(tmp_path):
     assert len(files) > 100 and sum(f.stat().st_size for f in files) > 1_000_000
     assert "re - Support for regular expressions" in (tmp_path / "docs" / "re.txt").read_text()
     assert not any(" at 0x" in f.read_text() for f in files)
+
+
+def test_runs_advance_on_their_own_clocks_in_alternating_blocks():
+    import time
+
+    from minagi.bench.slices import Budget, Run, interleave
+
+    calls, factors = [], []
+
+    def run(name, seconds):
+        def step():
+            calls.append(name)
+            time.sleep(0.01)
+            return 0.0
+        return Run(name, Budget(seconds), step, factors.append, 2, 0.1, lambda m: None)
+
+    a, b = run("a", 0.2), run("b", 0.4)
+    interleave([a, b], 0.05, lambda m: None)
+    assert a.done and b.done
+    # Each was charged only its own time: its budget, plus at most one step past it.
+    assert 0.2 <= a.elapsed < 0.2 + 0.05 and 0.4 <= b.elapsed < 0.4 + 0.05
+    switches = sum(x != y for x, y in zip(calls, calls[1:]))
+    assert switches >= 4  # alternating blocks (rotated each round), not one run then the other
+    assert calls[-1] == "b" and calls.count("b") > calls.count("a")
+    assert factors[:2] == [0.5, 1.0] and min(factors) >= 0.1 - 1e-9  # warmup, then cosine down to min_frac
+
+
+def test_heldout_sample_spreads_over_the_whole_split():
+    from minagi.bench.slices import heldout_sample
+
+    held = torch.arange(100_000) % 251
+    chunks = heldout_sample(held, 16384)
+    assert sum(c.numel() for c in chunks) == 16384 and len(chunks) == 4
+    starts = [int(c[0]) for c in chunks]  # values equal positions mod 251: find each start
+    assert torch.equal(chunks[0], held[:4096]) and torch.equal(chunks[-1], held[-4096:])
+    assert len(set(starts)) == 4
+    assert heldout_sample(held[:1000], 16384)[0].numel() == 1000  # a short split is scored whole
+
+
+def test_bench_quality_interleaved_seeds_and_own_budgets(tmp_path):
+    out = tmp_path / "q.json"
+    r = _bench("--seconds", "2", "--models", "minagi-dense@3,minagi", "--interleave", "1", "--seeds", "2",
+               "--eval-bytes", "1000", "--json", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert list(data["results"]) == ["minagi-dense@3", "minagi"] and data["interleave"] == 1 and data["seeds"] == 2
+    for label, budget in (("minagi-dense@3", 3), ("minagi", 2)):
+        v = data["results"][label]
+        assert [run["seed"] for run in v["runs"]] == [0, 1] and v["seconds_budget"] == budget
+        assert all(budget <= run["seconds"] < budget + 5 for run in v["runs"])
+        bpbs = [run["heldout_bits_per_byte"] for run in v["runs"]]
+        assert v["half_range"] == pytest.approx((max(bpbs) - min(bpbs)) / 2)
+    assert "interleaved in 1 s blocks" in r.stdout and "+-" in r.stdout and "seed 1" in r.stdout
+    assert "target" not in r.stdout.split("held-out bits per byte on")[1]  # not at equal time: not judged

@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from ..evaluate import bits_per_byte
 from ..model import NO_BYTE, VOCAB, ngram_codes
 from ..reference import GATED
 from ..run import build
+from .slices import Budget, Run, heldout_sample, interleave, score
 
 MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi", "minagi-wide")
 DEFAULT_MODELS = MODELS[:4]  # minagi-wide costs n_pool / top_k times the MLP: only on request
@@ -131,40 +132,8 @@ def wide_twin(cfg: Config) -> Config:
     return _one_mlp(cfg, cfg.model.n_pool * cfg.model.d_hidden)
 
 
-@dataclass
-class Budget:
-    """How long each model trains: `seconds` of wall-clock, or `steps` optimizer steps if set."""
-    seconds: float = 300.0
-    steps: int = 0
-
-    def progress(self, step: int, elapsed: float) -> float:
-        return step / self.steps if self.steps else elapsed / self.seconds
-
-    def describe(self) -> str:
-        return f"{self.steps} steps" if self.steps else f"{self.seconds:.0f} s"
-
-
-def _train_for(budget: Budget, step_fn, set_factor, warmup, min_frac, log, name):
-    """Train until the budget is spent: linear warmup over `warmup` steps, then cosine over the
-    rest of the budget (with a time budget the schedule follows the clock, so neither model's
-    is cut short or idles)."""
-    t0 = time.perf_counter()
-    step, loss, p_warm = 0, float("nan"), 0.0
-    while (p := budget.progress(step, time.perf_counter() - t0)) < 1.0:
-        if step < warmup:
-            set_factor((step + 1) / warmup)
-            p_warm = p
-        else:
-            progress = (p - p_warm) / max(1e-9, 1.0 - p_warm)
-            set_factor(min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-        loss = step_fn()
-        step += 1
-        if step % 500 == 0:
-            log(f"  {name}: step {step}, loss {loss:.3f}, {time.perf_counter() - t0:.0f} s")
-    return step, time.perf_counter() - t0
-
-
 def run_dense(corpus, budget, seed, log, ngram=0, ngram_buckets=0, name="dense"):
+    """The dense GPT and its training Run (not yet advanced)."""
     torch.manual_seed(seed)
     model = DenseGPT(ngram=ngram, ngram_buckets=ngram_buckets)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("ngram_embed")]
@@ -186,11 +155,11 @@ def run_dense(corpus, budget, seed, log, ngram=0, ngram_buckets=0, name="dense")
         for g in opt.param_groups:
             g["lr"] = 1e-3 * f
 
-    steps, secs = _train_for(budget, step_fn, set_factor, 100, 0.1, log, name)
-    return model.eval(), steps, secs, model.context
+    return model, Run(name, budget, step_fn, set_factor, 100, 0.1, log), model.context
 
 
 def run_minagi(corpus, budget, cfg: Config, log, name="minagi"):
+    """minagi's model for cfg and its training Run (not yet advanced)."""
     model, opt, _ = build(cfg, torch.device("cpu"))
     batches = Batches(corpus.train, cfg.data.context, cfg.train.batch, cfg.train.seed)
 
@@ -208,36 +177,103 @@ def run_minagi(corpus, budget, cfg: Config, log, name="minagi"):
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * f  # the pool group's base lr may differ (train.pool_lr_scale)
 
-    steps, secs = _train_for(budget, step_fn, set_factor, cfg.train.warmup, cfg.train.min_lr_frac, log, name)
-    return model.eval(), steps, secs, cfg.data.context
+    return model, Run(name, budget, step_fn, set_factor, cfg.train.warmup, cfg.train.min_lr_frac, log), \
+        cfg.data.context
+
+
+def _seeded(cfg: Config, seed: int) -> Config:
+    return replace(cfg, train=replace(cfg.train, seed=cfg.train.seed + seed))
 
 
 def models(cfg: Config) -> dict:
-    """Each model's configuration and multiply-adds per character: name -> (runner, macs, what)."""
+    """Each model's configuration and multiply-adds per character: name -> (maker, macs, what);
+    maker(corpus, budget, seed, log, label) -> (model, Run, context); seed 0 is the model's own."""
     m, twin, wide = cfg.model, dense_twin(cfg), wide_twin(cfg)
     return {
-        "dense": (lambda c, s, log: run_dense(c, s, 1337, log), dense_macs(DenseGPT()), "nanoGPT CPU config"),
-        "dense-ngram": (lambda c, s, log: run_dense(c, s, 1337, log, m.ngram, m.ngram_buckets, "dense-ngram"),
+        "dense": (lambda c, b, s, log, n: run_dense(c, b, 1337 + s, log, name=n), dense_macs(DenseGPT()),
+                  "nanoGPT CPU config"),
+        "dense-ngram": (lambda c, b, s, log, n: run_dense(c, b, 1337 + s, log, m.ngram, m.ngram_buckets, n),
                         dense_macs(DenseGPT(ngram=m.ngram, ngram_buckets=m.ngram_buckets)),
                         f"+ 2- to {m.ngram}-gram inputs, {m.ngram_buckets} buckets" if m.ngram > 1 else "(no n-grams)"),
-        "minagi-dense": (lambda c, s, log: run_minagi(c, s, twin, log, "minagi-dense"),
+        "minagi-dense": (lambda c, b, s, log, n: run_minagi(c, b, _seeded(twin, s), log, n),
                          minagi_macs(twin.model, cfg.data.context),
                          f"one dense MLP, d_hidden {twin.model.d_hidden}"),
-        "minagi": (lambda c, s, log: run_minagi(c, s, cfg, log), minagi_macs(m, cfg.data.context),
+        "minagi": (lambda c, b, s, log, n: run_minagi(c, b, _seeded(cfg, s), log, n), minagi_macs(m, cfg.data.context),
                    f"{m.n_pool} experts, top_k {m.top_k}, d_hidden {m.d_hidden}"),
-        "minagi-wide": (lambda c, s, log: run_minagi(c, s, wide, log, "minagi-wide"),
+        "minagi-wide": (lambda c, b, s, log, n: run_minagi(c, b, _seeded(wide, s), log, n),
                         minagi_macs(wide.model, cfg.data.context),
                         f"one dense MLP, d_hidden {wide.model.d_hidden} (the whole pool's width)"),
     }
 
 
-def parse_models(text: str) -> list:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in MODELS]
-    if bad or not names:
+def parse_models(text: str, seconds: float) -> list[tuple[str, str, float]]:
+    """--models: names, each optionally with its own training seconds (`minagi-dense@600`), ->
+    [(label, name, seconds)] in MODELS order, then by seconds."""
+    entries, bad = {}, []
+    for item in (n.strip() for n in text.split(",")):
+        if not item:
+            continue
+        name, _, secs = item.partition("@")
+        try:
+            t = float(secs) if secs else seconds
+        except ValueError:
+            t = -1.0
+        if name not in MODELS or not t > 0:
+            bad.append(item)
+            continue
+        entries[item if secs else name] = (name, t)
+    if bad or not entries:
         raise SystemExit(f"minagi.bench quality: --models {text!r}: unknown {', '.join(bad) or '(none given)'}; "
-                         f"choose from {', '.join(MODELS)} (comma-separated)")
-    return sorted(set(names), key=MODELS.index)
+                         f"choose from {', '.join(MODELS)}, comma-separated, each optionally @SECONDS "
+                         "(e.g. minagi-dense@600)")
+    return sorted(((label, n, t) for label, (n, t) in entries.items()), key=lambda e: (MODELS.index(e[1]), e[2]))
+
+
+def _train_all(specs, table, corpus, budget_of, seeds, block, log, scored):
+    """Every (model, seed): sequentially (each built, trained, scored, dropped in turn) or, with
+    block > 0, all built first and trained in alternating blocks of `block` seconds of their own
+    clocks. scored(label, seed, model, run, context) takes each one's result."""
+    jobs = [(label, name, seed) for label, name, _ in specs for seed in range(seeds)]
+    if block <= 0:
+        for label, name, seed in jobs:
+            model, run, context = table[name][0](corpus, budget_of(label), seed, log, _tag(label, seed, seeds))
+            run.advance()
+            scored(label, seed, model, run, context)
+        return
+    made = [(label, seed, *table[name][0](corpus, budget_of(label), seed, log, _tag(label, seed, seeds)))
+            for label, name, seed in jobs]
+    interleave([run for *_, run, _ in made], block, log)
+    for label, seed, model, run, context in made:
+        scored(label, seed, model, run, context)
+
+
+def _tag(label: str, seed: int, seeds: int) -> str:
+    return f"{label} seed {seed}" if seeds > 1 else label
+
+
+def _summary(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-range ((max - min) / 2) of the seeds' figures."""
+    return statistics.fmean(values), (max(values) - min(values)) / 2
+
+
+def _report(results, specs, reference, budget, profile, n_bytes, seeds, log) -> dict:
+    log(f"\nheld-out bits per byte on {n_bytes:,} bytes, {budget.describe()} each unless named ({profile})"
+        + (f"; mean +- half-range of {seeds} seeds" if seeds > 1 else "") + ":")
+    gaps = {}
+    ref = results.get(reference)
+    for label, name, _ in specs:
+        r = results[label]
+        spread = f" +- {r['half_range']:.3f}" if seeds > 1 else ""
+        line = (f"  {label:<18} {r['heldout_bits_per_byte']:.3f}{spread}  {r['macs_per_char'] / 1e3:,.0f}k MACs/char"
+                f"  {r['config']}")
+        if ref is not None and label != reference:
+            gaps[label] = r["heldout_bits_per_byte"] - ref["heldout_bits_per_byte"]
+            line += f"  {reference} ahead by {gaps[label]:.3f}"
+            same_time = r["seconds_budget"] == ref["seconds_budget"]
+            if reference == "minagi" and label in TARGETS and not budget.steps and same_time:
+                line += f" (target >= {TARGETS[label]:.2f}: {'met' if gaps[label] >= TARGETS[label] else 'NOT MET'})"
+        log(line)
+    return gaps
 
 
 def main(argv=None) -> int:
@@ -247,51 +283,68 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0,
                    help="train each model for this many optimizer steps instead of --seconds (equal steps)")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"any of {', '.join(MODELS)}, comma-separated (default: all but minagi-wide)")
+                   help=f"any of {', '.join(MODELS)}, comma-separated (default: all but minagi-wide); "
+                        "NAME@SECONDS trains that one for its own seconds (e.g. minagi-dense@600)")
+    p.add_argument("--interleave", type=float, default=0.0, metavar="SECONDS",
+                   help="train all models at once in alternating blocks of this many seconds of their own "
+                        "clocks, so a drift of the machine's speed hits all alike (default 0: one after another)")
+    p.add_argument("--seeds", type=int, default=1, help="runs per model (seeds 0..N-1): mean and half-range")
+    p.add_argument("--reference", default="minagi", help="the label the others are compared with")
     p.add_argument("--data", default="", metavar="PATH",
                    help="a text file, folder or prepared corpus (default: the Python standard library's source)")
     p.add_argument("--profile", default="cpu-tiny")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="profile overrides")
-    p.add_argument("--eval-bytes", type=int, default=65536, help="held-out bytes scored (from the split's start)")
+    p.add_argument("--eval-bytes", type=int, default=262144,
+                   help="held-out bytes scored, in 4 KiB chunks spread evenly over the whole held-out split")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
-    names = parse_models(a.models)
-    if a.seconds <= 0 or a.eval_bytes <= 0 or a.steps < 0:
-        p.error("--seconds and --eval-bytes must be positive, --steps >= 0 (0: train for --seconds)")
+    specs = parse_models(a.models, a.seconds)
+    if a.seconds <= 0 or a.eval_bytes <= 0 or a.steps < 0 or a.seeds < 1 or a.interleave < 0:
+        p.error("--seconds and --eval-bytes must be positive, --steps >= 0 (0: train for --seconds), --seeds >= 1, "
+                "--interleave >= 0")
+    if a.steps and any("@" in label for label, *_ in specs):
+        p.error("NAME@SECONDS sets a model's seconds; with --steps every model trains for the same steps")
     budget = Budget(a.seconds, a.steps)
     cfg = load(a.profile, a.overrides)
     torch.set_num_threads(a.threads or torch.get_num_threads())
     corpus = load_corpus(a.data)
     held = corpus.heldout.read() if hasattr(corpus.heldout, "read") else corpus.heldout  # a prepared corpus's
-    heldout = held[: a.eval_bytes].long()
-    if not heldout.numel():
+    chunks = heldout_sample(held.long(), a.eval_bytes)
+    n_bytes = sum(c.numel() for c in chunks)
+    if not n_bytes:
         p.error(f"--data {a.data}: the corpus has no held-out bytes to score")
     log = lambda m: print(m, flush=True)  # noqa: E731
-    log(f"minagi.bench quality: {budget.describe()} each, {torch.get_num_threads()} threads; {corpus.describe()}")
+    mode = f"interleaved in {a.interleave:g} s blocks" if a.interleave else "one after another"
+    log(f"minagi.bench quality: {budget.describe()} each unless named, {mode}, {a.seeds} seed(s), "
+        f"{torch.get_num_threads()} threads; {corpus.describe()}")
     table = models(cfg)
+    per_seed = {label: [] for label, *_ in specs}
+    budgets = {label: Budget(secs, a.steps) for label, _, secs in specs}
+
+    def scored(label, seed, model, run, context):
+        bpb = score(bits_per_byte, model.eval(), chunks, context)
+        per_seed[label].append({"seed": seed, "heldout_bits_per_byte": bpb, "steps": run.step, "seconds": run.elapsed})
+        log(f"{_tag(label, seed, a.seeds)}: {run.step} steps in {run.elapsed:.0f} s, held-out {bpb:.3f} bits per byte")
+
+    _train_all(specs, table, corpus, budgets.__getitem__, a.seeds, a.interleave, log, scored)
     results = {}
-    for name in names:
-        run, macs, what = table[name]
-        model, steps, secs, context = run(corpus, budget, log)
-        bpb = bits_per_byte(model, heldout, context)
-        results[name] = {"heldout_bits_per_byte": bpb, "steps": steps, "seconds": secs, "context": context,
-                         "macs_per_char": macs, "config": what}
-        log(f"{name}: {steps} steps in {secs:.0f} s, held-out {bpb:.3f} bits per byte")
-    log(f"\nheld-out bits per byte on {heldout.numel():,} bytes, {budget.describe()} each ({a.profile}):")
-    gaps = {}
-    for name, r in results.items():
-        line = f"  {name:<13} {r['heldout_bits_per_byte']:.3f}  {r['macs_per_char'] / 1e3:,.0f}k MACs/char  {r['config']}"
-        if name != "minagi" and "minagi" in results:
-            gaps[name] = r["heldout_bits_per_byte"] - results["minagi"]["heldout_bits_per_byte"]
-            line += f"  minagi ahead by {gaps[name]:.3f}"
-            if name in TARGETS and not budget.steps:  # the targets are for equal wall-clock
-                line += f" (target >= {TARGETS[name]:.2f}: {'met' if gaps[name] >= TARGETS[name] else 'NOT MET'})"
-        log(line)
+    for label, name, secs in specs:
+        runs = per_seed[label]
+        mean, half = _summary([r["heldout_bits_per_byte"] for r in runs])
+        results[label] = {"model": name, "heldout_bits_per_byte": mean, "half_range": half, "runs": runs,
+                          "steps": statistics.fmean(r["steps"] for r in runs),
+                          "seconds": statistics.fmean(r["seconds"] for r in runs),
+                          "seconds_budget": None if a.steps else secs, "context": cfg.data.context
+                          if name.startswith("minagi") else DenseGPT().context,
+                          "macs_per_char": table[name][1], "config": table[name][2]}
+    gaps = _report(results, specs, a.reference, budget, a.profile, n_bytes, a.seeds, log)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"results": results, "gaps": gaps, "targets": TARGETS,
+            json.dump({"results": results, "gaps": gaps, "targets": TARGETS, "reference": a.reference,
                        "seconds": None if budget.steps else a.seconds, "steps": budget.steps or None,
+                       "interleave": a.interleave or None, "seeds": a.seeds,
                        "profile": a.profile, "overrides": a.overrides, "data": corpus.describe(),
-                       "eval_bytes": heldout.numel(), "threads": torch.get_num_threads()}, f, indent=2)
+                       "eval_bytes": n_bytes, "eval_chunks": len(chunks), "threads": torch.get_num_threads()},
+                      f, indent=2)
     return 0

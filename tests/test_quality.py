@@ -201,3 +201,18 @@ def test_bench_quality_interleaved_seeds_and_own_budgets(tmp_path):
         assert v["half_range"] == pytest.approx((max(bpbs) - min(bpbs)) / 2)
     assert "interleaved in 1 s blocks" in r.stdout and "+-" in r.stdout and "seed 1" in r.stdout
     assert "target" not in r.stdout.split("held-out bits per byte on")[1]  # not at equal time: not judged
+
+
+def test_bench_quality_variants_are_minagi_models_with_more_settings(tmp_path):
+    out = tmp_path / "q.json"
+    r = _bench("--steps", "2", "--models", "minagi,swiglu", "--variant",
+               "swiglu:model.expert_activation=swiglu,model.d_hidden=32", "--eval-bytes", "500", "--json", str(out),
+               *TINY)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert list(data["results"]) == ["minagi", "swiglu"] and set(data["gaps"]) == {"swiglu"}
+    # Equal multiply-adds: swiglu's w_in is 2h wide, so h = 32 costs what gelu's 48 does.
+    assert data["results"]["swiglu"]["macs_per_char"] == data["results"]["minagi"]["macs_per_char"]
+    assert data["variants"] == {"swiglu": ["model.expert_activation=swiglu", "model.d_hidden=32"]}
+    bad = _bench("--variant", "dense:model.top_k=1")
+    assert bad.returncode != 0 and "NAME new" in bad.stderr

@@ -206,9 +206,9 @@ def models(cfg: Config) -> dict:
     }
 
 
-def parse_models(text: str, seconds: float) -> list[tuple[str, str, float]]:
+def parse_models(text: str, seconds: float, known=MODELS) -> list[tuple[str, str, float]]:
     """--models: names, each optionally with its own training seconds (`minagi-dense@600`), ->
-    [(label, name, seconds)] in MODELS order, then by seconds."""
+    [(label, name, seconds)] in `known`'s order (MODELS, then the variants), then by seconds."""
     entries, bad = {}, []
     for item in (n.strip() for n in text.split(",")):
         if not item:
@@ -218,15 +218,33 @@ def parse_models(text: str, seconds: float) -> list[tuple[str, str, float]]:
             t = float(secs) if secs else seconds
         except ValueError:
             t = -1.0
-        if name not in MODELS or not t > 0:
+        if name not in known or not t > 0:
             bad.append(item)
             continue
         entries[item if secs else name] = (name, t)
     if bad or not entries:
         raise SystemExit(f"minagi.bench quality: --models {text!r}: unknown {', '.join(bad) or '(none given)'}; "
-                         f"choose from {', '.join(MODELS)}, comma-separated, each optionally @SECONDS "
+                         f"choose from {', '.join(known)}, comma-separated, each optionally @SECONDS "
                          "(e.g. minagi-dense@600)")
-    return sorted(((label, n, t) for label, (n, t) in entries.items()), key=lambda e: (MODELS.index(e[1]), e[2]))
+    return sorted(((label, n, t) for label, (n, t) in entries.items()), key=lambda e: (known.index(e[1]), e[2]))
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """--variant NAME:key=value[,key=value...] -> (NAME, overrides): the profile with those
+    settings too, trained and reported as NAME."""
+    name, sep, sets = text.partition(":")
+    overrides = [o.strip() for o in sets.split(",") if o.strip()]
+    if not sep or not name or name in MODELS or "@" in name or not overrides or any("=" not in o for o in overrides):
+        raise SystemExit(f"minagi.bench quality: --variant {text!r}: write NAME:key=value[,key=value], NAME new "
+                         f"(not one of {', '.join(MODELS)}), e.g. swiglu:model.expert_activation=swiglu,"
+                         "model.d_hidden=171")
+    return name, overrides
+
+
+def add_variant(table: dict, cfg_v: Config, name: str, overrides: list[str]) -> None:
+    m = cfg_v.model
+    table[name] = (lambda c, b, s, log, n: run_minagi(c, b, _seeded(cfg_v, s), log, n),
+                   minagi_macs(m, cfg_v.data.context), f"the profile with {', '.join(overrides)}")
 
 
 def _train_all(specs, table, corpus, budget_of, seeds, block, log, scored):
@@ -290,6 +308,9 @@ def main(argv=None) -> int:
                         "clocks, so a drift of the machine's speed hits all alike (default 0: one after another)")
     p.add_argument("--seeds", type=int, default=1, help="runs per model (seeds 0..N-1): mean and half-range")
     p.add_argument("--reference", default="minagi", help="the label the others are compared with")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
+                   help="another minagi model: the profile with these settings too, named NAME in --models "
+                        "(repeatable)")
     p.add_argument("--data", default="", metavar="PATH",
                    help="a text file, folder or prepared corpus (default: the Python standard library's source)")
     p.add_argument("--profile", default="cpu-tiny")
@@ -299,7 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
-    specs = parse_models(a.models, a.seconds)
+    variants = dict(parse_variant(v) for v in a.variant)
+    specs = parse_models(a.models, a.seconds, MODELS + tuple(variants))
     if a.seconds <= 0 or a.eval_bytes <= 0 or a.steps < 0 or a.seeds < 1 or a.interleave < 0:
         p.error("--seconds and --eval-bytes must be positive, --steps >= 0 (0: train for --seconds), --seeds >= 1, "
                 "--interleave >= 0")
@@ -319,6 +341,8 @@ def main(argv=None) -> int:
     log(f"minagi.bench quality: {budget.describe()} each unless named, {mode}, {a.seeds} seed(s), "
         f"{torch.get_num_threads()} threads; {corpus.describe()}")
     table = models(cfg)
+    for name, overrides in variants.items():
+        add_variant(table, load(a.profile, a.overrides + overrides), name, overrides)
     per_seed = {label: [] for label, *_ in specs}
     budgets = {label: Budget(secs, a.steps) for label, _, secs in specs}
 
@@ -335,8 +359,8 @@ def main(argv=None) -> int:
         results[label] = {"model": name, "heldout_bits_per_byte": mean, "half_range": half, "runs": runs,
                           "steps": statistics.fmean(r["steps"] for r in runs),
                           "seconds": statistics.fmean(r["seconds"] for r in runs),
-                          "seconds_budget": None if a.steps else secs, "context": cfg.data.context
-                          if name.startswith("minagi") else DenseGPT().context,
+                          "seconds_budget": None if a.steps else secs,
+                          "context": DenseGPT().context if name.startswith("dense") else cfg.data.context,
                           "macs_per_char": table[name][1], "config": table[name][2]}
     gaps = _report(results, specs, a.reference, budget, a.profile, n_bytes, a.seeds, log)
     if a.json:
@@ -344,7 +368,7 @@ def main(argv=None) -> int:
             json.dump({"results": results, "gaps": gaps, "targets": TARGETS, "reference": a.reference,
                        "seconds": None if budget.steps else a.seconds, "steps": budget.steps or None,
                        "interleave": a.interleave or None, "seeds": a.seeds,
-                       "profile": a.profile, "overrides": a.overrides, "data": corpus.describe(),
+                       "profile": a.profile, "overrides": a.overrides, "variants": variants, "data": corpus.describe(),
                        "eval_bytes": n_bytes, "eval_chunks": len(chunks), "threads": torch.get_num_threads()},
                       f, indent=2)
     return 0

@@ -214,5 +214,7 @@ def test_bench_quality_variants_are_minagi_models_with_more_settings(tmp_path):
     # Equal multiply-adds: swiglu's w_in is 2h wide, so h = 32 costs what gelu's 48 does.
     assert data["results"]["swiglu"]["macs_per_char"] == data["results"]["minagi"]["macs_per_char"]
     assert data["variants"] == {"swiglu": ["model.expert_activation=swiglu", "model.d_hidden=32"]}
+    # Its settings are applied: another model, another score (the same seed and batches).
+    assert data["results"]["swiglu"]["heldout_bits_per_byte"] != data["results"]["minagi"]["heldout_bits_per_byte"]
     bad = _bench("--variant", "dense:model.top_k=1")
     assert bad.returncode != 0 and "NAME new" in bad.stderr

@@ -267,7 +267,8 @@ class _FirstGemm(torch.autograd.Function):
     """The fused first layer as two autograd nodes: this one (buf @ w_in + b_in, whose forward runs
     the fused op and leaves its activation in `stash` for _FirstAct) and _FirstAct. Split, the
     backward frees h and the activation's gradient before the weight gradient is made; one node
-    would hold both through it (the peak of a training step)."""
+    would hold both through it (the peak of a training step). b_in's gradient is made here, from
+    h's, so that a double backward (which reaches b_in through the h _FirstAct saved) gets it too."""
 
     @staticmethod
     def forward(ctx, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form, ops, stash):
@@ -280,18 +281,19 @@ class _FirstGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h_EH):
         buf_ED, w_in_SDH, order_A, rows_A = ctx.saved_tensors
-        ops, need = ctx.ops, ctx.needs_input_grad
+        ops, need, S = ctx.ops, ctx.needs_input_grad, w_in_SDH.shape[0]
         grad_buf = ops.grouped_mm(grad_h_EH, w_in_SDH.transpose(1, 2), order_A, rows_A) if need[0] else None
-        grad_w = _ops._wgrad(ops, buf_ED, grad_h_EH, w_in_SDH, order_A, rows_A, w_in_SDH.shape[0]) if need[1] else None
-        return grad_buf, grad_w, None, None, None, None, None, None  # b_in's comes from _FirstAct
+        grad_w = _ops._wgrad(ops, buf_ED, grad_h_EH, w_in_SDH, order_A, rows_A, S) if need[1] else None
+        grad_b = (grad_h_EH.new_zeros(S, grad_h_EH.shape[1]).index_add(0, reference.row_slots(order_A, rows_A),
+                                                                        grad_h_EH) if need[2] else None)
+        return grad_buf, grad_w, grad_b, None, None, None, None, None
 
 
 class _FirstAct(torch.autograd.Function):
-    """The activation of h (computed by _FirstGemm's fused op); its backward gives h's gradient
-    and, fused into the same pass, b_in's (b_in is an input here so that it gets it)."""
+    """The activation of h (computed by _FirstGemm's fused op); its backward gives h's gradient."""
 
     @staticmethod
-    def forward(ctx, h_EH, b_in_SH, order_A, rows_A, form, ops, stash, n_slots):
+    def forward(ctx, h_EH, order_A, rows_A, form, ops, stash, n_slots):
         ctx.form, ctx.ops, ctx.n_slots = form, ops, n_slots
         ctx.save_for_backward(h_EH, order_A, rows_A)
         return stash.pop()
@@ -299,11 +301,10 @@ class _FirstAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_a_EH):
         h_EH, order_A, rows_A = ctx.saved_tensors
-        want_bias = ctx.needs_input_grad[1]
         # A double backward takes the differentiable twin, through h.
         fn = reference.expert_act_backward if torch.is_grad_enabled() else ctx.ops.expert_act_backward
-        gh, gb = fn(grad_a_EH.contiguous(), h_EH, order_A, rows_A, *_form_args(ctx.form), ctx.n_slots, want_bias)
-        return gh, gb if want_bias else None, None, None, None, None, None, None
+        gh, _ = fn(grad_a_EH.contiguous(), h_EH, order_A, rows_A, *_form_args(ctx.form), ctx.n_slots, False)
+        return gh, None, None, None, None, None, None
 
 
 def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
@@ -323,7 +324,7 @@ def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
         return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
     stash = []
     h_EH = _FirstGemm.apply(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form, ops, stash)
-    return _FirstAct.apply(h_EH, b_in_SH, order_A, rows_A, form, ops, stash, w_in_SDH.shape[0])
+    return _FirstAct.apply(h_EH, order_A, rows_A, form, ops, stash, w_in_SDH.shape[0])
 
 
 def _post(out_ED, post, spread):

@@ -316,3 +316,26 @@ def test_mT_weight_gradients_come_back_in_the_parameters_layout(act):
     g_in, g_out = torch.autograd.grad(y.sum(), [v["w_in"], v["w_out"]])
     for k, g in (("w_in", g_in), ("w_out", g_out)):
         assert g.stride() == v[k].stride() and g.mT.is_contiguous(), k
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("act", ["gelu", "swiglu_oai"])
+def test_second_derivatives_through_expert_mlp_reach_every_input(path, act):
+    # A double backward through the whole call (not only the raw op): the gradient of |dL/dx|^2
+    # with respect to every input, biases included, against the loop's.
+    idx, master, leaves = problem(act, torch.float64, True, "contiguous", N=7)
+    names = ("x", "gates", "w_in", "w_out", "b_in", "b_out")
+
+    def second(fn_out, ins):
+        (gx,) = torch.autograd.grad(fn_out(*ins).pow(2).sum(), ins[0], create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum(), ins, allow_unused=True)
+
+    got = second(lambda x, g, wi, wo, bi, bo: expert_mlp(x, idx, g, wi, wo, activation=act, b_in=bi, b_out=bo,
+                                                         path=path), [leaves[k] for k in names])
+    ref_in = [master[k].clone().requires_grad_() for k in names]
+    want = second(lambda x, g, wi, wo, bi, bo: oracle(x, idx, g, wi, wo, act, bi, bo), ref_in)
+    for k, a, b in zip(names, got, want):
+        if b is None:
+            assert a is None or not a.abs().max(), k
+            continue
+        assert rel(a, b) < 1e-10, k

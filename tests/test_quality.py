@@ -149,28 +149,30 @@ def test_docs_corpus_tool(tmp_path):
     assert not any(" at 0x" in f.read_text() for f in files)
 
 
-def test_runs_advance_on_their_own_clocks_in_alternating_blocks():
-    import time
-
+def test_runs_advance_on_their_own_clocks_in_alternating_blocks(monkeypatch):
+    from minagi.bench import slices
     from minagi.bench.slices import Budget, Run, interleave
 
+    now = [0.0]  # a fake clock (binary fractions: exact sums): steps of 1/64 s and 1/32 s; 1 s between slices
+    monkeypatch.setattr(slices.time, "perf_counter", lambda: now[0])
     calls, factors = [], []
 
-    def run(name, seconds):
+    def run(name, seconds, step_s):
         def step():
             calls.append(name)
-            time.sleep(0.01)
+            now[0] += step_s
             return 0.0
-        return Run(name, Budget(seconds), step, factors.append, 2, 0.1, lambda m: None)
+        r = Run(name, Budget(seconds), step, factors.append, 2, 0.1, lambda m: None)
+        advance = r.advance
+        r.advance = lambda s: (advance(s), now.__setitem__(0, now[0] + 1.0))  # another run's time passes
+        return r
 
-    a, b = run("a", 0.2), run("b", 0.4)
-    interleave([a, b], 0.05, lambda m: None)
-    assert a.done and b.done
-    # Each was charged only its own time: its budget, plus at most one step past it.
-    assert 0.2 <= a.elapsed < 0.2 + 0.05 and 0.4 <= b.elapsed < 0.4 + 0.05
+    a, b = run("a", 0.25, 1 / 64), run("b", 0.75, 1 / 32)
+    interleave([a, b], 1 / 16, lambda m: None)
+    # Each was charged only its own steps' time (the seconds between its slices count nowhere).
+    assert (a.step, b.step) == (16, 24) and (a.elapsed, b.elapsed) == (0.25, 0.75)
     switches = sum(x != y for x, y in zip(calls, calls[1:]))
     assert switches >= 4  # alternating blocks (rotated each round), not one run then the other
-    assert calls[-1] == "b" and calls.count("b") > calls.count("a")
     assert factors[:2] == [0.5, 1.0] and min(factors) >= 0.1 - 1e-9  # warmup, then cosine down to min_frac
 
 
@@ -218,3 +220,5 @@ def test_bench_quality_variants_are_minagi_models_with_more_settings(tmp_path):
     assert data["results"]["swiglu"]["heldout_bits_per_byte"] != data["results"]["minagi"]["heldout_bits_per_byte"]
     bad = _bench("--variant", "dense:model.top_k=1")
     assert bad.returncode != 0 and "NAME new" in bad.stderr
+    bad = _bench("--models", "minagi@600,dense", "--seconds", "1")
+    assert bad.returncode != 0 and "--reference 'minagi' is not among" in bad.stderr and "minagi@600" in bad.stderr

@@ -327,6 +327,9 @@ def main(argv=None) -> int:
                 "--interleave >= 0")
     if a.steps and any("@" in label for label, *_ in specs):
         p.error("NAME@SECONDS sets a model's seconds; with --steps every model trains for the same steps")
+    labels = [label for label, *_ in specs]
+    if a.reference not in labels:
+        p.error(f"--reference {a.reference!r} is not among the models' labels ({', '.join(labels)}); name one of them")
     budget = Budget(a.seconds, a.steps)
     cfg = load(a.profile, a.overrides)
     torch.set_num_threads(a.threads or torch.get_num_threads())

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .. import _backend, ops
 from ..dispatch import expert_mlp
 from ..reference import ACTIVATIONS, GATED, activate, slot_ranks
+from . import print_targets
 from .routings import random_gates, sink_routing, uniform_routing
 
 # Targets from the issues, for the compiled path at the sink routing. On a CPU the compiled path
@@ -251,10 +252,7 @@ def main(argv=None) -> int:
                   device=device, methods=a.methods.split(",") if a.methods else None, activation=a.activation,
                   layout=a.layout)
     targets = check_targets(results, torch.device(device).type)
-    if targets:
-        print("\ntargets (compiled path, sink routing):")
-        for what, value, target, met in targets:
-            print(f"  {what:<28}{value:>8.2f}  target {target:<8} {'met' if met else 'NOT MET'}")
+    print_targets(targets, "targets (compiled path, sink routing):")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(),

@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _backend
+from . import print_targets
 
 # name: (config class, experts class module, experts class, config fields). Real models' ratios,
 # scaled: Mixtral-8x7B at hidden 1024 (E8 k2, I/H 2 instead of 3.5); OLMoE-1B-7B (E64 k8) and
@@ -418,10 +419,7 @@ def main(argv=None) -> int:
         print("generate() tokens/s, tiny Qwen3-MoE-like model (4 layers, hidden 256, E32 k4): " +
               "  ".join(f"{b} {v:.1f}" for b, v in gen.items()))
     targets = check_targets(results, peaks)
-    if targets:
-        print("\ntargets:")
-        for what, value, target, met in targets:
-            print(f"  {what:<58}{value:>7.2f}  target {target:<8} {'met' if met else 'NOT MET'}")
+    print_targets(targets, "targets:", 58)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "device": a.device,

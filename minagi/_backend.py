@@ -107,6 +107,26 @@ def loaded() -> bool:
     return state().loaded
 
 
+_BUILD_ID: str | None = None
+
+
+def build_id() -> str:
+    """What computes the ops in this process: "extension <digest of minagi._C's file>", or
+    "pure-torch". Taken once (a rebuild in place while the process runs changes the file, not the
+    code already loaded)."""
+    global _BUILD_ID
+    if _BUILD_ID is None:
+        if not loaded():
+            _BUILD_ID = "pure-torch"
+        else:
+            import hashlib
+            import sys
+
+            path = Path(sys.modules["minagi._C"].__file__)
+            _BUILD_ID = "extension " + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return _BUILD_ID
+
+
 def has_kernel(op: str, device_type: str) -> bool:
     """Whether minagi::op has a compiled kernel for this device type ('cpu' or 'cuda')."""
     if not loaded():

@@ -94,7 +94,7 @@ class Run:
             "step": self.step, "data": self.batches.state(), "config": self.cfg.to_dict(), "record": record,
             "rng": {**rngs[0], "ranks": rngs},
             "world": self.dist.world,
-            "dispatch": {"path": self.path, "extension": _backend.loaded()},
+            "dispatch": {"path": self.path, "extension": _backend.loaded(), "software": software()},
             "elapsed_s": record["time_s"],
             "window": asdict(window),  # empty unless the run stopped between records (a signal)
             **({"experts": experts} if experts else {}),
@@ -123,6 +123,26 @@ class Run:
     def last_good(self) -> str:
         return (f"{self.out_dir / checkpoint.CHECKPOINT} (step {self.saved_step})" if self.saved_step is not None
                 else "none: no checkpoint was written yet")
+
+
+def software() -> dict:
+    """What a run's numbers depend on besides its settings and data: the ops' build, torch, and the
+    threads the kernels split their work over (docs/reliability.md)."""
+    return {"build": _backend.build_id(), "torch": str(torch.__version__), "threads": torch.get_num_threads()}
+
+
+def software_note(ckpt: dict) -> str | None:
+    """A line for a resume on other software than the checkpoint's, which goes on correctly but
+    not bit for bit as the run would have without the stop."""
+    saved = (ckpt.get("dispatch") or {}).get("software")
+    if not saved:
+        return None
+    now = software()
+    changed = [f"{k} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+    if not changed:
+        return None
+    return ("minagi: the checkpoint was written by other software (" + "; ".join(changed) + "): the run goes on "
+            "from it, but not bit for bit as it would have without the stop")
 
 
 def resumed_config(cfg: Config, ckpt: dict, steps: int | None):
@@ -162,7 +182,10 @@ def start(cfg: Config, out_dir: Path, resume: bool, steps: int | None = None):
     device = resolve_device(cfg.train.device)
     dist = distributed.start(device.type, cfg.train.dist_timeout)
     try:
-        return (*_build_run(cfg, out_dir, ckpt, device, dist), notes)
+        built = _build_run(cfg, out_dir, ckpt, device, dist)  # sets the threads
+        if ckpt is not None and (note := software_note(ckpt)):
+            notes.append(note)
+        return (*built, notes)
     except BaseException:
         distributed.stop(dist)
         raise

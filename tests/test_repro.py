@@ -60,6 +60,7 @@ def test_resume_with_more_steps_trains_on_and_replans_the_schedule(tmp_path, tex
     assert r.returncode == 0, r.stderr
     assert ("minagi: resuming at step 8 and training to step 12 (planned: 8); the learning-rate schedule is "
             "re-planned over 12 steps") in r.stderr and "ignoring" not in r.stderr, r.stderr
+    assert "other software" not in r.stderr  # the same build, torch and threads: nothing to say
     assert checkpoint.load(run)["step"] == 12 and checkpoint.load(run)["config"]["train"]["steps"] == 12
     assert [x["step"] for x in _history(run)] == [4, 8, 12]
     # Its length now: nothing more to train, nothing ignored.
@@ -96,3 +97,20 @@ def test_resume_naming_the_saved_steps_stays_exact(tmp_path, text_file):  # noqa
     assert _signal_at(6, "KILL", *_args(text_file, 12), "--out", str(parts)).returncode == -9
     assert _cli(*_args(text_file, 12), "--out", str(parts), "--resume").returncode == 0
     assert differences(whole, parts) == []
+
+
+def test_resume_on_other_software_says_it_will_not_be_bit_exact(tmp_path, text_file):  # noqa: F811
+    # A rebuilt extension (or another torch, or other threads) computes other bits: the resumed run
+    # is right but not bit-identical with an uninterrupted one, and the resume says so.
+    run = tmp_path / "run"
+    assert _cli(*_args(text_file, 8), "--out", str(run)).returncode == 0
+    ckpt = checkpoint.load(run)
+    saved = ckpt["dispatch"]["software"]
+    assert saved == run_.software() or saved["threads"] != torch.get_num_threads()  # written by this build
+    ckpt["dispatch"]["software"] = {**saved, "build": "extension 0123456789abcdef"}
+    checkpoint.save(ckpt, run / checkpoint.CHECKPOINT)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *_args(text_file, 12), "--out", str(run), "--resume"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "the checkpoint was written by other software (build extension 0123456789abcdef -> " in r.stderr
+    assert "not bit for bit" in r.stderr

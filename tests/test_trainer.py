@@ -64,7 +64,7 @@ def test_cpu_tiny_smoke_run_heldout_falls(tmp_path):
         assert rec["executed_ratio"] >= 1 and rec["groups_mean"] >= 1 and rec["max_load_ratio"] >= 1
     ckpt = checkpoint.load(tmp_path)
     assert ckpt["step"] == 30 and ckpt["config"]["profile"] == "cpu-tiny"
-    assert ckpt["config"]["train"]["steps"] == 30 and set(ckpt["dispatch"]) == {"path", "extension"}
+    assert ckpt["config"]["train"]["steps"] == 30 and set(ckpt["dispatch"]) == {"path", "extension", "software"}
 
 
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, text_file):

@@ -307,19 +307,21 @@ class _FirstAct(torch.autograd.Function):
         return gh, None, None, None, None, None, None
 
 
+def _gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A):
+    """buf @ w_in + b_in per slot's rows, unfused (the bias added by row)."""
+    h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
+    if b_in_SH is None:
+        return h_EH
+    return h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
+
+
 def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
     """The form's activation of buf @ w_in + b_in, per slot's rows: the compiled op fuses the
     bias and activation into the GEMM; the pure-torch twin on a GPU keeps its buffers bucketed."""
     if form.fn is not None:  # the caller's function: nothing fuses it
-        h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
-        if b_in_SH is not None:
-            h_EH = h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
-        return form.act(h_EH)
+        return form.act(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A))
     if ops is _ops.REFERENCE and buf_ED.is_cuda:
-        h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
-        if b_in_SH is not None:
-            h_EH = h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
-        return BucketedAct.apply(h_EH, form)
+        return BucketedAct.apply(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A), form)
     if ops is _ops.REFERENCE or not _wants_grad((buf_ED, w_in_SDH, b_in_SH)):  # the twin: torch's autograd
         return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
     stash = []

@@ -36,9 +36,8 @@ from .dispatch import expert_mlp
 NAME = "minagi"
 INSTALL = 'pip install --no-build-isolation -e ".[hf]"  (or: pip install "transformers>=5.0")'
 
-# The decorator's flags this backend honours, with the value that means "absent".
-KNOWN_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
-               "has_post_expert_norm": False}
+# The decorator's flags this backend honours (any other one set on a module means a fallback).
+KNOWN_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
 _warned: set[tuple[str, str]] = set()
 
 

@@ -11,6 +11,7 @@ Install with `pip install --no-build-isolation -e .` so the build uses the torch
 """
 import glob
 import os
+import shutil
 import sys
 
 from setuptools import setup
@@ -86,6 +87,23 @@ def _build_ext_class():
                 print(f"\nminagi setup: WARNING: building {ext.name} failed ({exc}); minagi will "
                       "run on its pure-torch ops. Set MINAGI_REQUIRE_EXT=1 to make this an error.\n",
                       file=sys.stderr)
+
+        def copy_file(self, infile, outfile, *args, **kwargs):
+            """A build in place (`--inplace`, `pip install -e .`) writes the compiled file beside
+            its target and renames it over: a process that starts during a rebuild loads the old
+            build or the new one. setuptools' own copy deletes the target first, and a process
+            starting in that window found no extension and ran on the pure-torch ops, whose
+            numerics differ in the last bits (a suspect of issue 34's divergent runs)."""
+            if not str(outfile).endswith((".so", ".pyd")) or self.dry_run:
+                return super().copy_file(infile, outfile, *args, **kwargs)
+            tmp = f"{outfile}.{os.getpid()}.tmp"
+            try:
+                shutil.copy2(infile, tmp)
+                os.replace(tmp, outfile)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return outfile, True
 
     return Build
 

@@ -111,7 +111,7 @@ _BUILD_ID: str | None = None
 
 
 def build_id() -> str:
-    """What computes the ops in this process: "extension <digest of minagi._C's file>", or
+    """What computes the ops in this process: "extension <digest of minagi._C's code>", or
     "pure-torch". Taken once (a rebuild in place while the process runs changes the file, not the
     code already loaded)."""
     global _BUILD_ID
@@ -119,12 +119,34 @@ def build_id() -> str:
         if not loaded():
             _BUILD_ID = "pure-torch"
         else:
-            import hashlib
             import sys
 
-            path = Path(sys.modules["minagi._C"].__file__)
-            _BUILD_ID = "extension " + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+            _BUILD_ID = "extension " + code_digest(Path(sys.modules["minagi._C"].__file__))
     return _BUILD_ID
+
+
+def code_digest(path: Path) -> str:
+    """A digest of what a shared library loads: its ELF sections that are mapped into memory,
+    less the build-id note. Its debug information and build-id name the build's directory, so
+    two builds of the same sources with the same compiler (`pip install -e .` twice) differ as
+    files but not as code. A file that is not 64-bit little-endian ELF is digested whole."""
+    import hashlib
+    import struct
+
+    data = path.read_bytes()
+    h = hashlib.sha256()
+    if data[:6] != b"\x7fELF\x02\x01":
+        h.update(data)
+        return h.hexdigest()[:16]
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]  # sh_offset of the section-name table
+    for name_off, kind, flags, _addr, offset, size in sections:
+        name = data[names_at + name_off:data.index(b"\0", names_at + name_off)]
+        if flags & 0x2 and kind != 8 and name != b".note.gnu.build-id":  # SHF_ALLOC, not SHT_NOBITS
+            h.update(name + data[offset:offset + size])
+    return h.hexdigest()[:16]
 
 
 def has_kernel(op: str, device_type: str) -> bool:

@@ -54,10 +54,11 @@ def run_train(argv) -> int:
 
     # On --resume only a length the command names (--steps, or --set train.steps) moves the
     # run's end; the profile's default does not.
-    named_steps = any(kv.split("=", 1)[0].strip() == "train.steps" for kv in overrides)
+    # The profile's defaults are not the command's to report as ignored, only what it names.
+    named = {kv.split("=", 1)[0].strip() for kv in overrides}
     try:
         record = train(cfg, out, resume=args.resume, progress=not args.quiet,
-                       steps=cfg.train.steps if args.resume and named_steps else None)
+                       steps=cfg.train.steps if args.resume and "train.steps" in named else None, named=named)
     except Diverged as exc:
         print(f"minagi: {exc}", file=sys.stderr)
         return exc.exit_status

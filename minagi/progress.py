@@ -35,8 +35,9 @@ class Progress:
             print(f"step {step}/{self.total}  loss {loss:.3f}  {cps:,.0f} char/s  rows {rows:.2f}",
                   file=sys.stderr, flush=True)
 
-    def write(self, msg: str) -> None:
-        if not self.enabled:
+    def write(self, msg: str, always: bool = False) -> None:
+        """One line to stderr; with always, even when progress output is off (a warning)."""
+        if not (self.enabled or always):
             return
         if self.bar is not None:
             self.bar.write(msg, file=sys.stderr)

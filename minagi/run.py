@@ -52,8 +52,8 @@ def build(cfg: Config, device: torch.device, ep: ExpertParallel | None = None):
     if cfg.model.pool_device:
         model.pool.to(torch.device(cfg.model.pool_device))
     pool_lr = cfg.train.lr * cfg.train.pool_lr_scale
-    opt = PoolAdamW(model.param_groups(cfg.train.weight_decay, pool_lr), model.pool, lr=cfg.train.lr,
-                    betas=(cfg.train.beta1, cfg.train.beta2))
+    groups = model.param_groups(cfg.train.weight_decay, pool_lr, cfg.train.ngram_decay)
+    opt = PoolAdamW(groups, model.pool, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return model, opt, sched
 
@@ -145,7 +145,7 @@ def software_note(ckpt: dict) -> str | None:
             "from it, but not bit for bit as it would have without the stop")
 
 
-def resumed_config(cfg: Config, ckpt: dict, steps: int | None):
+def resumed_config(cfg: Config, ckpt: dict, steps: int | None, named=None):
     """The checkpoint's settings with this command's layout (and, where given, its length): the
     config to go on with, the one-line notes on what changed, and the settings ignored."""
     saved = Config.from_dict(ckpt["config"])
@@ -163,11 +163,12 @@ def resumed_config(cfg: Config, ckpt: dict, steps: int | None):
     validate(saved)  # the command's layout against the saved model (expert parallelism's needs)
     ignored = [f"{sec}.{k}={v} (saved: {getattr(getattr(saved, sec), k)})"
                for sec, table in cfg.to_dict().items() if isinstance(table, dict)
-               for k, v in table.items() if getattr(getattr(saved, sec), k) != v]
+               for k, v in table.items() if getattr(getattr(saved, sec), k) != v
+               and (named is None or f"{sec}.{k}" in named)]
     return saved, notes, ignored
 
 
-def start(cfg: Config, out_dir: Path, resume: bool, steps: int | None = None):
+def start(cfg: Config, out_dir: Path, resume: bool, steps: int | None = None, named=None):
     """The run, its window and corpus-derived held-out chunks, the corpus, and the lines to say
     about the settings of a resumed run. A start that fails once the process groups exist ends
     them."""
@@ -176,7 +177,7 @@ def start(cfg: Config, out_dir: Path, resume: bool, steps: int | None = None):
     ckpt = checkpoint.load(out_dir, require_finite=True, experts=cfg.train.expert_parallel == 1) if resume else None
     notes = []
     if ckpt is not None:  # the saved settings win (but the layout's, and a named length)
-        cfg, notes, ignored = resumed_config(cfg, ckpt, steps)
+        cfg, notes, ignored = resumed_config(cfg, ckpt, steps, named)
         if ignored:
             notes.append("minagi: resuming with the checkpoint's settings; ignoring " + ", ".join(ignored))
     device = resolve_device(cfg.train.device)

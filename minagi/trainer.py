@@ -37,22 +37,27 @@ class StepInfo:
 
 
 def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=(),
-          steps: int | None = None) -> dict:
+          steps: int | None = None, named=None) -> dict:
     """Train (or resume) into out_dir; returns the last history record. callbacks: functions
     called with a StepInfo after every step; one that returns True ends the run there, with a
     checkpoint at that step (as a finished run has). Raises guard.Diverged when the run
     diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT.
     Under torchrun (minagi/distributed.py) every rank runs this; the ranks stop together.
     steps (with resume): train the resumed run to this step instead of its saved length (its
-    schedule re-planned over it); below the checkpoint's step it is a ConfigError."""
+    schedule re-planned over it); below the checkpoint's step it is a ConfigError. named (with
+    resume): the settings ("section.key") the command gave, the only ones a resume reports as
+    ignored where they differ from the checkpoint's (None: every setting of cfg)."""
     out_dir = Path(out_dir)
     # From here a signal means "stop after the current step", during the start too: it then
     # stops after the first step, with that step's checkpoint.
     with GracefulStop() as signals:
-        run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps)
+        run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
             bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
-            for note in [*notes, describe(run, corpus, resume), world_note(run)]:
+            for note in notes:  # what a resume changed or ignores: said even with --quiet
+                if run.dist.main:
+                    bar.write(note, always=True)
+            for note in (describe(run, corpus, resume), world_note(run)):
                 if note:
                     bar.write(note)
             return _loop(run, window, heldout, bar, callbacks, signals)

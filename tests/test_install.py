@@ -83,3 +83,72 @@ def test_shadowed_install_is_named(tmp_path, monkeypatch):
     # An editable install (no _C among its files) or none at all: the plain message.
     monkeypatch.setattr(_backend.metadata, "distribution", lambda name: (_ for _ in ()).throw(ImportError()))
     assert "shadows" not in _backend._try_load().reason
+
+
+def _setup_build_class():
+    """setup.py's build_ext class, taken from the file (importing setup.py would run setup())."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_build_ext_class")
+    ns = {"os": __import__("os"), "sys": sys, "shutil": shutil}
+    exec(compile(ast.Module([fn], []), str(ROOT / "setup.py"), "exec"), ns)
+    from setuptools import Distribution
+
+    cmd = ns["_build_ext_class"]()(Distribution())
+    cmd.force = True  # copy whatever the files' times (setuptools skips a target newer than its source)
+    return cmd
+
+
+def test_a_build_in_place_never_leaves_the_extension_missing_or_partial(tmp_path):
+    # setuptools deletes the target and writes it in 16 KiB pieces; a process starting then found
+    # no extension and ran on the pure-torch ops (other numerics). minagi's build renames a
+    # finished copy over it, so a reader sees the old file or the new one, whole.
+    import threading
+
+    old, new = tmp_path / "old.so", tmp_path / "new.so"
+    old.write_bytes(b"o" * (32 << 20))
+    new.write_bytes(b"n" * (48 << 20))
+    target = tmp_path / "_C.so"
+    shutil.copy(old, target)
+    sizes, done = set(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            try:
+                sizes.add(target.stat().st_size)
+            except FileNotFoundError:
+                sizes.add(-1)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        for _ in range(3):
+            _setup_build_class().copy_file(str(new), str(target))
+            _setup_build_class().copy_file(str(old), str(target))
+    finally:
+        done.set()
+        t.join()
+    assert sizes <= {32 << 20, 48 << 20}, sorted(sizes)
+    assert target.read_bytes() == old.read_bytes() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "_C.so", "new.so", "old.so"]  # no temporary left behind
+
+
+@pytest.mark.skipif(not _backend.loaded() or shutil.which("objcopy") is None,
+                    reason="needs the built extension and binutils' objcopy")
+def test_the_build_digest_is_of_the_code_not_of_the_debug_information(tmp_path):
+    # Two builds of the same sources differ in their debug information and build-id (the build
+    # directory is named there): the same code, the same digest. One changed byte of code: another.
+    so = Path(sys.modules["minagi._C"].__file__)
+    stripped = tmp_path / "stripped.so"
+    subprocess.run(["objcopy", "--strip-debug", "--remove-section=.note.gnu.build-id", str(so), str(stripped)],
+                   check=True)
+    assert stripped.stat().st_size < so.stat().st_size
+    assert _backend.code_digest(stripped) == _backend.code_digest(so)
+    text = subprocess.run(["readelf", "-S", "-W", str(so)], capture_output=True, text=True, check=True).stdout
+    offset = int(next(line for line in text.splitlines() if " .text " in line).split()[4], 16)
+    changed = bytearray(so.read_bytes())
+    changed[offset + 100] ^= 1
+    (tmp_path / "changed.so").write_bytes(changed)
+    assert _backend.code_digest(tmp_path / "changed.so") != _backend.code_digest(so)
+    assert _backend.build_id() == "extension " + _backend.code_digest(so)

@@ -109,8 +109,20 @@ def test_resume_on_other_software_says_it_will_not_be_bit_exact(tmp_path, text_f
     assert saved == run_.software() or saved["threads"] != torch.get_num_threads()  # written by this build
     ckpt["dispatch"]["software"] = {**saved, "build": "extension 0123456789abcdef"}
     checkpoint.save(ckpt, run / checkpoint.CHECKPOINT)
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *_args(text_file, 12), "--out", str(run), "--resume"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = _cli(*_args(text_file, 12), "--out", str(run), "--resume")  # --quiet: warnings still show
     assert r.returncode == 0, r.stderr
     assert "the checkpoint was written by other software (build extension 0123456789abcdef -> " in r.stderr
     assert "not bit for bit" in r.stderr
+
+
+def test_resume_reports_only_the_settings_the_command_names(tmp_path, text_file):  # noqa: F811
+    # The run was made with --set train.eval_every=4; a plain --resume names nothing, so the
+    # profile's own eval_every is not "ignored". A setting it names and cannot change is.
+    run = tmp_path / "run"
+    assert _cli(*_args(text_file, 8), "--out", str(run)).returncode == 0
+    r = _cli("--data", str(text_file), "--out", str(run), "--resume")
+    assert r.returncode == 0 and "ignoring" not in r.stderr, r.stderr
+    r = _cli("--data", str(text_file), "--out", str(run), "--resume", "--set", "model.top_k=1",
+             "--set", "train.eval_every=4")
+    assert r.returncode == 0, r.stderr
+    assert "ignoring model.top_k=1 (saved: 2)" in r.stderr and "eval_every" not in r.stderr, r.stderr

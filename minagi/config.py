@@ -62,6 +62,9 @@ class TrainConfig:
     min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
     warmup: int = 30
     weight_decay: float = 0.1
+    # Whether the hashed n-gram tables decay too (they are embeddings; the dense GPT of the
+    # quality bench exempts its own). docs/quality.md has the study.
+    ngram_decay: bool = True
     # The pool's learning rate is lr x pool_lr_scale: each expert sees only its share of the
     # characters (about top_k / n_slots), so it may want a different step than the shared weights.
     pool_lr_scale: float = 1.0

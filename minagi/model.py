@@ -333,16 +333,18 @@ class ByteModel(nn.Module):
         """Log-probabilities [B, T, 256] of each next byte, from a full forward pass."""
         return torch.log_softmax(self(idx_BT).logits.float(), dim=-1)
 
-    def param_groups(self, weight_decay: float, pool_lr: float | None = None):
-        """AdamW groups: matrices decay, norms / biases / row embeddings do not; the pool's
-        tensors are marked so the optimizer touches only the experts that were on the card, and
-        take pool_lr where it is given (else the optimizer's lr)."""
+    def param_groups(self, weight_decay: float, pool_lr: float | None = None, ngram_decay: bool = True):
+        """AdamW groups: matrices decay, norms / biases / row embeddings do not, nor the n-gram
+        tables unless ngram_decay; the pool's tensors are marked so the optimizer touches only the
+        experts that were on the card, and take pool_lr where it is given (else the optimizer's
+        lr)."""
         pool_ids = {id(p) for p in self.pool.parameters()}
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             if id(p) in pool_ids:
                 continue
-            (decay if p.dim() >= 2 and name != "row_embed" else no_decay).append(p)
+            exempt = name == "row_embed" or (not ngram_decay and name.startswith("ngram_embed."))
+            (decay if p.dim() >= 2 and not exempt else no_decay).append(p)
         return [
             {"params": decay, "weight_decay": weight_decay, "pool": False},
             {"params": no_decay, "weight_decay": 0.0, "pool": False},

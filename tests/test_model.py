@@ -156,6 +156,18 @@ def test_ngram_tables_learn_and_start_silent():
     assert all(t.weight.grad.abs().sum() > 0 for t in model.ngram_embed)
 
 
+def test_ngram_tables_decay_unless_told_not_to():
+    model = ByteModel(small(ngram=3, ngram_buckets=31), context=8)
+    tables = {id(t.weight) for t in model.ngram_embed}
+    for ngram_decay in (True, False):
+        decay, no_decay, pool = model.param_groups(0.1, ngram_decay=ngram_decay)
+        assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+        assert tables <= {id(p) for p in (decay if ngram_decay else no_decay)["params"]}
+        assert id(model.embed.weight) in {id(p) for p in decay["params"]}  # only the tables move
+        n = sum(len(g["params"]) for g in (decay, no_decay, pool))
+        assert n == len(list(model.parameters()))
+
+
 def test_context_too_long_is_an_error():
     model = ByteModel(small(), context=8)
     with pytest.raises(ValueError, match="context is 8"):

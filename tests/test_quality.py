@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minagi.bench.quality import (DEFAULT_MODELS, MODELS, DenseGPT, dense_macs, dense_twin, minagi_macs, models,
-                                  wide_twin)
+                                  n_params, tables_twin, wide_twin)
 from minagi.config import load
 from minagi.model import ByteModel
 
@@ -41,6 +41,19 @@ def test_wide_twin_holds_the_whole_pool_in_one_mlp():
     extra = minagi_macs(wide, 128) - minagi_macs(m, 128)
     assert extra == mlp(wide) - mlp(m) - (m.max_rows + 1) * (m.n_slots - 1) * m.d_model  # the routers drop out
     assert "minagi-wide" in MODELS and "minagi-wide" not in DEFAULT_MODELS
+
+
+def test_tables_twin_spends_the_pools_parameters_on_the_ngram_tables(tmp_path):
+    cfg = load("cpu-tiny", [])
+    tw, twin = tables_twin(cfg).model, dense_twin(cfg).model
+    assert tw.ngram_buckets > cfg.model.ngram_buckets and tw.d_hidden == twin.d_hidden and tw.n_pool == 1
+    # The profile's parameters to within one bucket per table; the dense twin's multiply-adds.
+    gap = n_params(cfg) - n_params(tables_twin(cfg))
+    assert 0 <= gap < (tw.ngram - 1) * tw.d_model, gap
+    assert minagi_macs(tw, cfg.data.context) == minagi_macs(twin, cfg.data.context)
+    assert "minagi-tables" in models(cfg) and "minagi-tables" not in DEFAULT_MODELS
+    bad = _bench("--models", "minagi,minagi-tables", "--set", "model.ngram=1", "--seconds", "1")
+    assert bad.returncode != 0 and "has none (model.ngram = 1)" in bad.stderr, bad.stderr
 
 
 def test_macs_are_counted_from_the_shapes():

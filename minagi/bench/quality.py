@@ -9,6 +9,10 @@ at equal wall-clock.
                  width (one expert, top_k = 1, d_hidden = top_k x the profile's): the same
                  rows, inputs and multiply-adds per character; what the pool itself is worth
   minagi         the profile
+  minagi-tables  (only when named in --models) minagi-dense with its n-gram tables enlarged by
+                 the parameters the pool has beyond the dense MLP: the profile's total
+                 parameters, the dense twin's multiply-adds. Is the pool or a bigger table the
+                 better use of the same memory?
   minagi-wide    (only when named in --models) minagi's model with one dense MLP as wide as the
                  whole pool (d_hidden = n_pool x the profile's): every character uses all of the
                  pool's parameters, at n_pool / top_k times the MLP's multiply-adds. Per step, a
@@ -38,13 +42,13 @@ from torch import nn
 from ..config import Config, ModelConfig, load
 from ..data import Batches, load_corpus
 from ..evaluate import bits_per_byte
-from ..model import NO_BYTE, VOCAB, ngram_codes
+from ..model import NO_BYTE, VOCAB, ByteModel, ngram_codes
 from ..reference import GATED
 from ..run import build
 from .slices import Budget, Run, heldout_sample, interleave, score
 
-MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi", "minagi-wide")
-DEFAULT_MODELS = MODELS[:4]  # minagi-wide costs n_pool / top_k times the MLP: only on request
+MODELS = ("dense", "dense-ngram", "minagi-dense", "minagi", "minagi-wide", "minagi-tables")
+DEFAULT_MODELS = MODELS[:4]  # the others on request (minagi-wide costs n_pool / top_k times the MLP)
 # How far ahead of each the profile must be, in bits per byte.
 TARGETS = {"dense": 0.15, "dense-ngram": 0.10, "minagi-dense": 0.10}
 
@@ -132,6 +136,22 @@ def wide_twin(cfg: Config) -> Config:
     return _one_mlp(cfg, cfg.model.n_pool * cfg.model.d_hidden)
 
 
+def n_params(cfg: Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in ByteModel(cfg.model, cfg.data.context).parameters())
+
+
+def tables_twin(cfg: Config) -> Config:
+    """The dense twin with every n-gram table grown by the same number of buckets, as many as
+    the pool's parameters beyond the twin's MLP fill: the profile's total parameters (to within
+    one bucket per table) at the twin's multiply-adds (a lookup costs none)."""
+    twin = dense_twin(cfg)
+    m = twin.model
+    per_bucket = (m.ngram - 1) * m.d_model
+    extra = (n_params(cfg) - n_params(twin)) // per_bucket
+    return replace(twin, model=replace(m, ngram_buckets=m.ngram_buckets + extra))
+
+
 def run_dense(corpus, budget, seed, log, ngram=0, ngram_buckets=0, name="dense"):
     """The dense GPT and its training Run (not yet advanced)."""
     torch.manual_seed(seed)
@@ -189,7 +209,7 @@ def models(cfg: Config) -> dict:
     """Each model's configuration and multiply-adds per character: name -> (maker, macs, what);
     maker(corpus, budget, seed, log, label) -> (model, Run, context); seed 0 is the model's own."""
     m, twin, wide = cfg.model, dense_twin(cfg), wide_twin(cfg)
-    return {
+    table = {
         "dense": (lambda c, b, s, log, n: run_dense(c, b, 1337 + s, log, name=n), dense_macs(DenseGPT()),
                   "nanoGPT CPU config"),
         "dense-ngram": (lambda c, b, s, log, n: run_dense(c, b, 1337 + s, log, m.ngram, m.ngram_buckets, n),
@@ -204,6 +224,14 @@ def models(cfg: Config) -> dict:
                         minagi_macs(wide.model, cfg.data.context),
                         f"one dense MLP, d_hidden {wide.model.d_hidden} (the whole pool's width)"),
     }
+    if m.ngram > 1:
+        tw = tables_twin(cfg)
+        table["minagi-tables"] = (lambda c, b, s, log, n: run_minagi(c, b, _seeded(tw, s), log, n),
+                                  minagi_macs(tw.model, cfg.data.context),
+                                  f"one dense MLP, d_hidden {tw.model.d_hidden}, n-gram tables of "
+                                  f"{tw.model.ngram_buckets} buckets ({n_params(tw):,} parameters against the "
+                                  f"profile's {n_params(cfg):,})")
+    return table
 
 
 def parse_models(text: str, seconds: float, known=MODELS) -> list[tuple[str, str, float]]:
@@ -346,6 +374,8 @@ def main(argv=None) -> int:
     table = models(cfg)
     for name, overrides in variants.items():
         add_variant(table, load(a.profile, a.overrides + overrides), name, overrides)
+    if "minagi-tables" in (name for _, name, _ in specs) and "minagi-tables" not in table:
+        p.error("minagi-tables grows the profile's n-gram tables, and it has none (model.ngram = 1)")
     per_seed = {label: [] for label, *_ in specs}
     budgets = {label: Budget(secs, a.steps) for label, _, secs in specs}
 

@@ -70,6 +70,8 @@ def _try_load() -> BackendState:
     except OSError as exc:  # a stale build against another torch: undefined symbols
         return BackendState(False, f"minagi._C is broken ({exc}); rebuild it against this torch "
                                    "with `pip install --no-build-isolation -e .`")
+    global _BUILD_ID  # the code now loaded, before a rebuild in place can change the file
+    _BUILD_ID = "extension " + code_digest(Path(importlib.import_module("minagi._C").__file__))
     return BackendState(True, "")
 
 
@@ -111,18 +113,10 @@ _BUILD_ID: str | None = None
 
 
 def build_id() -> str:
-    """What computes the ops in this process: "extension <digest of minagi._C's code>", or
-    "pure-torch". Taken once (a rebuild in place while the process runs changes the file, not the
-    code already loaded)."""
-    global _BUILD_ID
-    if _BUILD_ID is None:
-        if not loaded():
-            _BUILD_ID = "pure-torch"
-        else:
-            import sys
-
-            _BUILD_ID = "extension " + code_digest(Path(sys.modules["minagi._C"].__file__))
-    return _BUILD_ID
+    """What computes the ops in this process: "extension <digest of minagi._C's code>", taken as
+    it loads (a rebuild in place while the process runs changes the file, not the code already
+    loaded), or "pure-torch"."""
+    return (_BUILD_ID or "extension (no digest)") if loaded() else "pure-torch"
 
 
 def code_digest(path: Path) -> str:
@@ -134,10 +128,19 @@ def code_digest(path: Path) -> str:
     import struct
 
     data = path.read_bytes()
-    h = hashlib.sha256()
-    if data[:6] != b"\x7fELF\x02\x01":
-        h.update(data)
-        return h.hexdigest()[:16]
+    if data[:6] == b"\x7fELF\x02\x01":
+        try:
+            return _elf_code_digest(data)
+        except (struct.error, IndexError, ValueError):  # no or damaged section headers
+            pass
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _elf_code_digest(data: bytes) -> str:
+    import hashlib
+    import struct
+
+    h = hashlib.sha256(b"elf-code ")
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
@@ -145,7 +148,9 @@ def code_digest(path: Path) -> str:
     for name_off, kind, flags, _addr, offset, size in sections:
         name = data[names_at + name_off:data.index(b"\0", names_at + name_off)]
         if flags & 0x2 and kind != 8 and name != b".note.gnu.build-id":  # SHF_ALLOC, not SHT_NOBITS
-            h.update(name + data[offset:offset + size])
+            if offset + size > len(data):
+                raise ValueError("section past the end of the file")
+            h.update(struct.pack("<QQ", len(name), size) + name + data[offset:offset + size])
     return h.hexdigest()[:16]
 
 

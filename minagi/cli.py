@@ -29,7 +29,7 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorErro
 
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG["train"], description="Train a minagi byte model.")
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"a packaged profile ({', '.join(profile_names())}) "
+    p.add_argument("--profile", default=None, help=f"a packaged profile ({', '.join(profile_names())}) "
                    f"or a path to a .toml file (default {DEFAULT_PROFILE})")
     p.add_argument("--data", default=None, help="a text file, a folder of text files, or a prepared corpus folder (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="run folder for checkpoint.pt and history.jsonl (default runs/PROFILE)")
@@ -48,17 +48,19 @@ def run_train(argv) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.data is not None:
         overrides.append(f"data.path={args.data}")
-    cfg = load(args.profile, overrides)
+    cfg = load(args.profile or DEFAULT_PROFILE, overrides)
     out = args.out or f"runs/{cfg.profile}"
     from .trainer import train
 
     # On --resume only a length the command names (--steps, or --set train.steps) moves the
-    # run's end; the profile's default does not.
-    # The profile's defaults are not the command's to report as ignored, only what it names.
-    named = {kv.split("=", 1)[0].strip() for kv in overrides}
+    # run's end, and only the settings it names are reported as ignored where they differ from
+    # the checkpoint's (a profile it names: all of that profile's).
+    named = None if args.profile else {kv.split("=", 1)[0].strip() for kv in overrides}
+    steps = cfg.train.steps if args.resume and any(kv.split("=", 1)[0].strip() == "train.steps"
+                                                   for kv in overrides) else None
     try:
         record = train(cfg, out, resume=args.resume, progress=not args.quiet,
-                       steps=cfg.train.steps if args.resume and "train.steps" in named else None, named=named)
+                       steps=steps, named=named)
     except Diverged as exc:
         print(f"minagi: {exc}", file=sys.stderr)
         return exc.exit_status

@@ -54,12 +54,10 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
         run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
             bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
-            for note in notes:  # what a resume changed or ignores: said even with --quiet
-                if run.dist.main:
+            for note in (*notes, world_note(run)):  # what a resume changed or ignores: even with --quiet
+                if note and run.dist.main:
                     bar.write(note, always=True)
-            for note in (describe(run, corpus, resume), world_note(run)):
-                if note:
-                    bar.write(note)
+            bar.write(describe(run, corpus, resume))
             return _loop(run, window, heldout, bar, callbacks, signals)
         finally:
             distributed.stop(run.dist)

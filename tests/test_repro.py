@@ -122,7 +122,8 @@ def test_resume_reports_only_the_settings_the_command_names(tmp_path, text_file)
     assert _cli(*_args(text_file, 8), "--out", str(run)).returncode == 0
     r = _cli("--data", str(text_file), "--out", str(run), "--resume")
     assert r.returncode == 0 and "ignoring" not in r.stderr, r.stderr
-    r = _cli("--data", str(text_file), "--out", str(run), "--resume", "--set", "model.top_k=1",
-             "--set", "train.eval_every=4")
+    r = _cli("--data", str(text_file), "--out", str(run), "--resume", "--set", "model.top_k=1")
     assert r.returncode == 0, r.stderr
     assert "ignoring model.top_k=1 (saved: 2)" in r.stderr and "eval_every" not in r.stderr, r.stderr
+    r = _cli("--data", str(text_file), "--out", str(run), "--resume", "--profile", "cpu-tiny")
+    assert r.returncode == 0 and "train.eval_every=250 (saved: 4)" in r.stderr, r.stderr  # a named profile: all of it

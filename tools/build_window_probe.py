@@ -7,6 +7,7 @@ Runs `setup.py build_ext --inplace` (or `pip install --no-build-isolation --no-d
 times in the repository root while a thread polls the file's size. A size that is neither the
 file's size before nor after counts as partial. docs/reliability.md has the figures."""
 import argparse
+import collections
 import os
 import subprocess
 import sys
@@ -25,15 +26,14 @@ def main() -> int:
     if not found:
         raise SystemExit("build_window_probe: no minagi/_C*.so: build the extension first")
     so = found[0]
-    before, sizes, polls, done = so.stat().st_size, [], [0], threading.Event()
+    before, sizes, done = so.stat().st_size, collections.Counter(), threading.Event()
 
     def poll():
         while not done.is_set():
-            polls[0] += 1
             try:
-                sizes.append(so.stat().st_size)
+                sizes[so.stat().st_size] += 1
             except FileNotFoundError:
-                sizes.append(-1)
+                sizes[-1] += 1
 
     cmd = ([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", "."] if a.pip
            else [sys.executable, "setup.py", "build_ext", "--inplace"])
@@ -46,9 +46,9 @@ def main() -> int:
         done.set()
         t.join()
     after = so.stat().st_size
-    missing = sum(1 for s in sizes if s < 0)
-    partial = sum(1 for s in sizes if s >= 0 and s not in (before, after))
-    print(f"{so.name}: {a.rebuilds} rebuilds ({' '.join(cmd[1:])}), {polls[0]:,} polls: "
+    missing = sizes[-1]
+    partial = sum(n for s, n in sizes.items() if s >= 0 and s not in (before, after))
+    print(f"{so.name}: {a.rebuilds} rebuilds ({' '.join(cmd[1:])}), {sum(sizes.values()):,} polls: "
           f"{missing:,} missing, {partial:,} partial")
     return 0
 

@@ -148,7 +148,7 @@ def tables_twin(cfg: Config) -> Config:
     twin = dense_twin(cfg)
     m = twin.model
     per_bucket = (m.ngram - 1) * m.d_model
-    extra = (n_params(cfg) - n_params(twin)) // per_bucket
+    extra = max(0, n_params(cfg) - n_params(twin)) // per_bucket
     return replace(twin, model=replace(m, ngram_buckets=m.ngram_buckets + extra))
 
 
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0,
                    help="train each model for this many optimizer steps instead of --seconds (equal steps)")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"any of {', '.join(MODELS)}, comma-separated (default: all but minagi-wide); "
+                   help=f"any of {', '.join(MODELS)}, comma-separated (default: all but minagi-wide and minagi-tables); "
                         "NAME@SECONDS trains that one for its own seconds (e.g. minagi-dense@600)")
     p.add_argument("--interleave", type=float, default=0.0, metavar="SECONDS",
                    help="train all models at once in alternating blocks of this many seconds of their own "
@@ -360,6 +360,8 @@ def main(argv=None) -> int:
         p.error(f"--reference {a.reference!r} is not among the models' labels ({', '.join(labels)}); name one of them")
     budget = Budget(a.seconds, a.steps)
     cfg = load(a.profile, a.overrides)
+    if cfg.model.ngram < 2 and "minagi-tables" in (name for _, name, _ in specs):
+        p.error("minagi-tables grows the profile's n-gram tables, and it has none (model.ngram = 1)")
     torch.set_num_threads(a.threads or torch.get_num_threads())
     corpus = load_corpus(a.data)
     held = corpus.heldout.read() if hasattr(corpus.heldout, "read") else corpus.heldout  # a prepared corpus's
@@ -374,8 +376,6 @@ def main(argv=None) -> int:
     table = models(cfg)
     for name, overrides in variants.items():
         add_variant(table, load(a.profile, a.overrides + overrides), name, overrides)
-    if "minagi-tables" in (name for _, name, _ in specs) and "minagi-tables" not in table:
-        p.error("minagi-tables grows the profile's n-gram tables, and it has none (model.ngram = 1)")
     per_seed = {label: [] for label, *_ in specs}
     budgets = {label: Budget(secs, a.steps) for label, _, secs in specs}
 

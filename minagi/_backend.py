@@ -5,8 +5,10 @@ extension an error. Loading registers the ops (torch.ops.minagi.*); it touches n
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import struct
 from importlib import metadata
 from pathlib import Path
 import warnings
@@ -124,9 +126,6 @@ def code_digest(path: Path) -> str:
     less the build-id note. Its debug information and build-id name the build's directory, so
     two builds of the same sources with the same compiler (`pip install -e .` twice) differ as
     files but not as code. A file that is not 64-bit little-endian ELF is digested whole."""
-    import hashlib
-    import struct
-
     data = path.read_bytes()
     if data[:6] == b"\x7fELF\x02\x01":
         try:
@@ -137,9 +136,6 @@ def code_digest(path: Path) -> str:
 
 
 def _elf_code_digest(data: bytes) -> str:
-    import hashlib
-    import struct
-
     h = hashlib.sha256(b"elf-code ")
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)

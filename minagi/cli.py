@@ -55,9 +55,9 @@ def run_train(argv) -> int:
     # On --resume only a length the command names (--steps, or --set train.steps) moves the
     # run's end, and only the settings it names are reported as ignored where they differ from
     # the checkpoint's (a profile it names: all of that profile's).
-    named = None if args.profile else {kv.split("=", 1)[0].strip() for kv in overrides}
-    steps = cfg.train.steps if args.resume and any(kv.split("=", 1)[0].strip() == "train.steps"
-                                                   for kv in overrides) else None
+    keys = {kv.split("=", 1)[0].strip() for kv in overrides}
+    named = None if args.profile else keys
+    steps = cfg.train.steps if args.resume and "train.steps" in keys else None
     try:
         record = train(cfg, out, resume=args.resume, progress=not args.quiet,
                        steps=steps, named=named)

@@ -205,29 +205,36 @@ def test_bench_hf_quick_run_writes_every_backend_and_the_targets(tmp_path):
     data = json.loads(out.read_text())
     assert len(data["results"]) == 2 * 3  # fwd, fwd+bwd at 32 tokens, decode at 1, per block
     for r in data["results"]:
-        assert set(r["ms"]) == {"eager", "batched_mm", "grouped_mm", "minagi", "dense"}
+        assert set(r["ms"]) == {"eager", "batched_mm", "grouped_mm", "minagi", "floor"}
         assert all(v > 0 for v in r["ms"].values())
     assert {t["what"].split()[0] for t in data["targets"]} == {"mixtral", "gpt_oss"}
     assert set(data["peak_bytes"]["mixtral float32"]) == {"eager", "batched_mm", "grouped_mm", "minagi"}
 
 
-def test_bench_hf_dense_floor_is_the_gemms_alone_and_judges_only_beyond_the_ceiling():
+def test_bench_hf_floor_is_each_experts_gemms_at_an_even_load_and_judges_only_beyond_the_ceiling():
     from minagi.bench import hf as bench
 
-    experts, cfg = bench._block("mixtral", torch.float32, scale=0.125)
-    x, idx, _ = bench._routing(16, experts.num_experts, 2, cfg.hidden_size, torch.float32)
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    fwd, train = bench._dense_floor(experts, x, idx, False), bench._dense_floor(experts, x, idx, True)
-    # The GEMMs of 32 pairs through one expert: two forward, and four more for the gradients.
-    assert [tuple(t.shape) for t in fwd] == [(32, 2 * I), (32, H)]
-    assert [tuple(t.shape) for t in train] == [(32, 2 * I), (32, H), (32, I), (I, H), (32, H), (H, 2 * I)]
-    o = bench._floor_operands(experts, x, 2)
-    torch.testing.assert_close(fwd[0], x.repeat_interleave(2, 0) @ experts.gate_up_proj[0].T)
-    torch.testing.assert_close(train[5], o["x"].T @ o["dh"])
-    row = lambda grouped, minagi, dense: {"block": "b", "dtype": "float32", "tokens": 512, "mode": "fwd+bwd",  # noqa: E731
-                                          "ms": {"grouped_mm": grouped, "minagi": minagi, "dense": dense}}
+    for name in ("mixtral", "gpt_oss"):  # weights stored [E, out, in], and [E, in, out] (is_transposed)
+        experts, cfg = bench._block(name, torch.float32, scale=0.125)
+        E, H = experts.num_experts, cfg.hidden_size
+        I = experts.down_proj.shape[-1 if not experts.is_transposed else -2]
+        x, idx, _ = bench._routing(16, E, 2, H, torch.float32)
+        R = -(-32 // E)  # 32 pairs, an even share per expert
+        fwd, train = bench._floor(experts, x, idx, False), bench._floor(experts, x, idx, True)
+        # Two forward GEMMs per expert, then both input gradients and both weight gradients.
+        assert [tuple(t.shape) for t in fwd] == [(E, R, 2 * I), (E, R, H)]
+        w_grads = [tuple(p.shape) for p in (experts.down_proj, experts.gate_up_proj)]
+        assert [tuple(t.shape) for t in train] == [(E, R, 2 * I), (E, R, H), (E, R, I), (E, R, H), *w_grads]
+        o = bench._floor_operands(experts, x, 2)
+        for e in range(E):  # expert e's rows through expert e's own weights
+            w_in = experts.gate_up_proj[e] if experts.is_transposed else experts.gate_up_proj[e].T
+            torch.testing.assert_close(fwd[0][e], o["x"][e] @ w_in)
+            dw = o["x"][e].T @ o["dh"][e]
+            torch.testing.assert_close(train[5][e], dw if experts.is_transposed else dw.T)
+    row = lambda grouped, minagi, floor: {"block": "b", "dtype": "float32", "tokens": 512, "mode": "fwd+bwd",  # noqa: E731
+                                          "ms": {"grouped_mm": grouped, "minagi": minagi, "floor": floor}}
     (what, value, need, met), = bench.check_targets([row(100.0, 60.0, 40.0)], {})  # ceiling 2.5x: 2x stands
     assert (value, need, met) == (100.0 / 60.0, ">= 2.0x", False) and what.endswith("vs grouped_mm")
     (what, value, need, met), = bench.check_targets([row(100.0, 95.0, 90.0)], {})  # ceiling 1.11x
-    assert "vs the dense floor (ceiling 1.11x)" in what and (need, met) == ("<= 1.10x", True)
+    assert "vs the floor (ceiling 1.11x)" in what and (need, met) == ("<= 1.10x", True)
     assert bench.check_targets([row(100.0, 105.0, 90.0)], {})[0][3] is False  # 1.17x the floor

@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", default="1,4", help="decode sizes (forward, no gradient)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--backends", default=",".join((*BUILTIN, "minagi", FLOOR)),
-                   help=f"comma-separated; {FLOOR} is the floor (no experts), not a backend")
+                   help=f"comma-separated; {FLOOR} is no backend: each expert's GEMMs at an even load, nothing else")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (median kept)")
     p.add_argument("--slow", type=float, default=4.0, help="a backend slower than this (s) runs one round")
     p.add_argument("--max-gb", type=float, default=6.0, help="skip batched_mm where it would need more")

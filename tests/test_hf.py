@@ -238,3 +238,6 @@ def test_bench_hf_floor_is_each_experts_gemms_at_an_even_load_and_judges_only_be
     (what, value, need, met), = bench.check_targets([row(100.0, 95.0, 90.0)], {})  # ceiling 1.11x
     assert "vs the floor (ceiling 1.11x)" in what and (need, met) == ("<= 1.10x", True)
     assert bench.check_targets([row(100.0, 105.0, 90.0)], {})[0][3] is False  # 1.17x the floor
+    # Decode reads top_k experts, the floor all E: the decode target stays 2x the built-in.
+    (what, value, need, met), = bench.check_targets([{**row(1.0, 0.4, 5.0), "decode": True}], {})
+    assert (need, met) == (">= 2.0x", True) and what.endswith("decode vs grouped_mm")

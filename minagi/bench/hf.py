@@ -26,7 +26,8 @@ uneven, so no backend does the same work much faster; `ceiling` is the fastest b
 backend's time over it: the most any backend could gain there. (Until 2026-12-05 the floor ran
 every pair through one expert's weights in one matmul: it read one expert's weights instead of
 all E and wrote one weight gradient instead of E, and so undercounted the work several times
-over where experts are many.)
+over where experts are many.) At the decode sizes, which read only the top_k experts' weights,
+the floor reads all E: it is shown there but judges nothing.
 
 Targets (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training shape; fwd >=
 1.5x; decode (1 and 4 tokens) >= 2x; peak memory no higher than grouped_mm's (within 1%: the
@@ -391,7 +392,8 @@ def check_targets(results, peaks) -> list[tuple[str, float, str, bool]]:
         need = 2.0 if r["mode"] == "fwd+bwd" or decode else 1.5
         what = f"{r['block']} {r['dtype']} T={r['tokens']} {'decode' if decode else r['mode']}"
         floor = r["ms"].get(FLOOR)
-        if floor and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) is beyond the ceiling
+        # A decode call reads only its top_k experts; the floor reads all E, so it is no floor there.
+        if floor and not decode and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) beyond the ceiling
             of_floor = r["ms"]["minagi"] / floor
             out.append((f"{what} vs the floor (ceiling {builtin[best] / floor:.2f}x)", of_floor,
                         f"<= {FLOOR_SLACK:.2f}x", of_floor <= FLOOR_SLACK))

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -19,6 +20,10 @@ PyObject* PyInit__C(void) {
   return PyModule_Create(&module_def);
 }
 }
+
+namespace minagi {
+std::vector<int64_t> cpu_block_cache(int64_t max_idle_bytes);  // csrc/cpu/block_cache.cpp
+}  // namespace minagi
 
 namespace {
 // How this extension was built, for `python -m minagi doctor`: a build without OpenMP would run
@@ -46,6 +51,10 @@ std::string build_info() {
 
 TORCH_LIBRARY(minagi, m) {
   m.def("build_info() -> str", &build_info);
+  // Not a computation: the cache of large CPU blocks (csrc/cpu/block_cache.cpp) behind
+  // MINAGI_ALLOCATOR=keep. max_idle_bytes >= 0 installs it as torch's CPU allocator (once) and caps
+  // its idle bytes; -1 only reports. -> [installed, idle bytes, blocks reused, blocks mapped].
+  m.def("cpu_block_cache(int max_idle_bytes) -> int[]", &minagi::cpu_block_cache);
   // logits [N, S] -> slot_idx [N, k] int64 (best first, ties to the lower slot, NaN ranks as
   // -inf), gates [N, k] = softmax over the k chosen logits, load [S] int64 (pairs per slot).
   m.def("routing(Tensor logits, int top_k) -> (Tensor slot_idx, Tensor gates, Tensor load)");

@@ -34,7 +34,8 @@ def doctor() -> int:
         f"threads          torch {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
         f"parallel         {torch.__config__.parallel_info().splitlines()[-1].strip()}",
         f"allocator        {allocator.describe()}; for training, MINAGI_ALLOCATOR=jemalloc "
-        f"({allocator.find('jemalloc') or 'not found'}) or tcmalloc ({allocator.find('tcmalloc') or 'not found'})",
+        f"({allocator.find('jemalloc') or 'not found'}), tcmalloc ({allocator.find('tcmalloc') or 'not found'}) "
+        "or keep (minagi's cache of large blocks)",
         f"dispatch (auto)  {'compiled' if st.loaded else 'grouped (pure torch)'}",
         f"env              MINAGI_DISABLE_EXT={os.environ.get('MINAGI_DISABLE_EXT', '')!s} "
         f"MINAGI_REQUIRE_EXT={os.environ.get('MINAGI_REQUIRE_EXT', '')!s}",
@@ -58,7 +59,7 @@ COMMANDS = ("train", "write", "eval", "plot", "routes", "prepare", "doctor", "be
 
 
 def main(argv=None, prog: str = "python -m minagi") -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    command_line, argv = argv is None, sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
@@ -68,7 +69,7 @@ def main(argv=None, prog: str = "python -m minagi") -> int:
     if cmd == "bench":
         from .bench.__main__ import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, command_line=command_line)
     if cmd not in COMMANDS:
         import difflib
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from minagi import checkpoint, distributed
+from minagi.config import load
 from minagi.data import Batches
+from minagi.reference import GATED
 
 from test_trainer import TINY, _cli, _history
 
@@ -142,7 +144,8 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in
     folders = sorted(d.name for d in ranks.glob("experts-*"))
     assert "pool.w_in" not in ckpt["model"] and folders == [ckpt["experts"]["folder"]]
     assert folders[0].startswith("experts-00000006-") and (ranks / folders[0] / ".metadata").exists()
-    assert ckpt["experts"]["tensors"]["model/pool.w_in"][0] == [6, 32, 48]
+    gated = load("cpu-tiny", []).model.expert_activation in GATED  # a gated w_in holds gate and up
+    assert ckpt["experts"]["tensors"]["model/pool.w_in"][0] == [6, 32, 96 if gated else 48]
     whole = checkpoint.load(ranks)  # in one process: the whole pool, and its optimizer state
     assert whole["model"]["pool.w_in"].shape[0] == 6 and "experts" not in whole
     pool = [st for st in whole["optimizer"]["state"].values() if st["exp_avg"].dim() == 3]  # w_in, w_out
@@ -182,7 +185,9 @@ def test_expert_parallel_in_two_groups_equals_one_process_and_reshards_on_resume
         shutil.copytree(four, tmp_path / name)
     ok(torchrun("--quiet", *ARGS, *ep, *e2, "--out", str(four), "--resume", nproc=4))
     ok(_cli(*ARGS, *ep, "--set", "train.batch=4", "--out", str(one)))
-    assert_same_weights(one, four, rel=1e-5)
+    # Summation order only: 1e-5 held for gelu experts; SwiGLU's product of two GEMM outputs left
+    # 1.6e-5 of the largest weight after the 4-rank run's steps.
+    assert_same_weights(one, four, rel=5e-5)
     for name, launch in (("ep2", e2), ("ddp", [])):  # the saved batch, 1 per rank: both go on from step 6 alike
         proc = ok(torchrun(*ARGS, *ep, *launch, "--out", str(tmp_path / name), "--resume"))
         assert "saved by 4 rank(s), this run has 2" in proc.stderr and "done: step 8" in proc.stdout

@@ -184,6 +184,68 @@ def test_jemalloc_is_preloaded_and_named(tmp_path):
     assert "allocator jemalloc" in r.stderr  # the startup line, from the re-executed process
 
 
+def test_keep_is_applied_and_named(tmp_path):
+    r = _train({"MINAGI_ALLOCATOR": "keep"}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    if EXT:
+        assert "allocator system (glibc) with minagi's block cache (keep)" in r.stderr  # the startup line
+    else:  # no extension, no block cache: one line, and the run goes on
+        lines = [line for line in r.stderr.splitlines() if "MINAGI_ALLOCATOR=keep:" in line]
+        assert len(lines) == 1 and "needs minagi's extension" in lines[0] and "system allocator" in lines[0]
+
+
+# A 96 MiB tensor made, freed and made again: the page faults of the second one's fill, in 4 KiB
+# pages (huge pages off for the process). glibc maps anything over 32 MiB afresh, and unmaps it
+# when freed; the block cache hands the same block out again.
+_REFAULTS = """
+import ctypes, json, resource, sys
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
+import torch
+from minagi import allocator
+if sys.argv[1] == "keep" and not (allocator.keep_freed_memory() and allocator.keeping()):
+    sys.exit("keep_freed_memory() did not take effect")
+first = torch.empty(24 << 20)
+first.fill_(1.0)
+del first
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+second = torch.empty(24 << 20).fill_(2.0)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+idle_with_one = allocator.keep_stats()["idle_bytes"]  # the one freed block is in use again
+assert bool((second == 2.0).all())
+third = torch.empty(50 << 20)  # 200 MiB: no idle block of its size, a new one
+del second, third
+stats = allocator.keep_stats()
+installed = allocator.keep_freed_memory(0)  # hand the idle blocks back (installs nothing by itself)
+print(json.dumps({"faults": faults, "idle_with_one": idle_with_one, **stats, "installed": installed,
+                  "idle_after_release": allocator.keep_stats()["idle_bytes"]}))
+"""
+# What would steer the allocator of the child from outside.
+_ALLOCATOR_ENV = ("LD_PRELOAD", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "MINAGI_ALLOCATOR")
+
+
+@pytest.mark.skipif(not EXT or not sys.platform.startswith("linux"), reason="the block cache (extension, Linux)")
+def test_keep_hands_a_freed_block_out_again_and_releases_on_request():
+    env = {k: v for k, v in os.environ.items() if k not in _ALLOCATOR_ENV and not k.startswith("MALLOC_")}
+    res = {}
+    for mode in ("default", "keep"):
+        r = subprocess.run([sys.executable, "-c", _REFAULTS, mode], capture_output=True, text=True, timeout=120,
+                           env={**env, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr
+        res[mode] = json.loads(r.stdout.splitlines()[-1])
+    default, keep = res["default"], res["keep"]
+    assert default["faults"] >= 0.9 * (96 << 20) / 4096, res  # plain glibc: every page afresh
+    assert keep["faults"] * 20 < default["faults"], res  # the same block, already faulted in
+    assert keep["reused"] >= 1 and keep["mapped"] >= 2, res  # the 200 MiB one was not served from 96
+    assert keep["idle_with_one"] == 0 and keep["idle_bytes"] >= (96 + 200) << 20, res
+    assert keep["idle_after_release"] == 0 and keep["installed"], res
+    assert default["mapped"] == 0 and not default["installed"], res  # a cap of 0 installed nothing
+
+
+def test_keep_freed_memory_refuses_a_negative_cap():
+    with pytest.raises(ValueError, match="max_idle_bytes must be >= 0"):
+        allocator.keep_freed_memory(-1)
+
+
 def test_doctor_names_the_allocator():
     r = subprocess.run([sys.executable, "-m", "minagi", "doctor"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "allocator" in r.stdout and "system" in r.stdout

@@ -11,6 +11,7 @@ from minagi.bench.quality import (DEFAULT_MODELS, MODELS, DenseGPT, dense_macs, 
                                   n_params, tables_twin, wide_twin)
 from minagi.config import load
 from minagi.model import ByteModel
+from minagi.reference import GATED
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.d_hidden=48"]
@@ -37,7 +38,8 @@ def test_wide_twin_holds_the_whole_pool_in_one_mlp():
     pool, one = ByteModel(m, 16).pool, ByteModel(wide, 16).pool
     # The same expert parameters, all in one MLP that every character uses.
     assert one.w_in.numel() + one.w_out.numel() == pool.w_in.numel() + pool.w_out.numel()
-    mlp = lambda c: c.max_rows * 2 * c.d_model * c.d_hidden * c.top_k  # noqa: E731
+    # A gated form's w_in is 2 d_hidden wide: 3 d_model x d_hidden multiply-adds per row and expert.
+    mlp = lambda c: c.max_rows * (3 if c.expert_activation in GATED else 2) * c.d_model * c.d_hidden * c.top_k  # noqa: E731
     extra = minagi_macs(wide, 128) - minagi_macs(m, 128)
     assert extra == mlp(wide) - mlp(m) - (m.max_rows + 1) * (m.n_slots - 1) * m.d_model  # the routers drop out
     assert "minagi-wide" in MODELS and "minagi-wide" not in DEFAULT_MODELS
@@ -220,17 +222,18 @@ def test_bench_quality_interleaved_seeds_and_own_budgets(tmp_path):
 
 def test_bench_quality_variants_are_minagi_models_with_more_settings(tmp_path):
     out = tmp_path / "q.json"
-    r = _bench("--steps", "2", "--models", "minagi,swiglu", "--variant",
-               "swiglu:model.expert_activation=swiglu,model.d_hidden=32", "--eval-bytes", "500", "--json", str(out),
+    # The profile's experts are SwiGLU (TINY: d_hidden 48); the variant's gelu experts at 72.
+    r = _bench("--steps", "2", "--models", "minagi,gelu", "--variant",
+               "gelu:model.expert_activation=gelu,model.d_hidden=72", "--eval-bytes", "500", "--json", str(out),
                *TINY)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
-    assert list(data["results"]) == ["minagi", "swiglu"] and set(data["gaps"]) == {"swiglu"}
-    # Equal multiply-adds: swiglu's w_in is 2h wide, so h = 32 costs what gelu's 48 does.
-    assert data["results"]["swiglu"]["macs_per_char"] == data["results"]["minagi"]["macs_per_char"]
-    assert data["variants"] == {"swiglu": ["model.expert_activation=swiglu", "model.d_hidden=32"]}
+    assert list(data["results"]) == ["minagi", "gelu"] and set(data["gaps"]) == {"gelu"}
+    # Equal multiply-adds: swiglu's w_in is 2h wide, so its h = 48 costs what gelu's 72 does.
+    assert data["results"]["gelu"]["macs_per_char"] == data["results"]["minagi"]["macs_per_char"]
+    assert data["variants"] == {"gelu": ["model.expert_activation=gelu", "model.d_hidden=72"]}
     # Its settings are applied: another model, another score (the same seed and batches).
-    assert data["results"]["swiglu"]["heldout_bits_per_byte"] != data["results"]["minagi"]["heldout_bits_per_byte"]
+    assert data["results"]["gelu"]["heldout_bits_per_byte"] != data["results"]["minagi"]["heldout_bits_per_byte"]
     bad = _bench("--variant", "dense:model.top_k=1")
     assert bad.returncode != 0 and "NAME new" in bad.stderr
     bad = _bench("--models", "minagi@600,dense", "--seconds", "1")

@@ -34,6 +34,10 @@ Targets (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training
 small index tensors each backend keeps in its own way). Where the ratio asked for is beyond the
 ceiling (the built-in backend already runs near the floor), the target is instead to run within
 10% of the floor, which is all that is left to win.
+
+MINAGI_ALLOCATOR applies to the whole process, every backend alike: MINAGI_ALLOCATOR=keep
+(minagi's cache of large blocks, minagi.allocator.keep_freed_memory()) times them as a user who
+turned it on runs them; the floor's kept buffers are unaffected.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _backend
+from .. import _backend, allocator
 from . import print_targets
 
 # name: (config class, experts class module, experts class, config fields). Real models' ratios,
@@ -469,8 +473,8 @@ def main(argv=None) -> int:
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",") if d]
     ext = "loaded" if _backend.loaded() else f"not loaded ({_backend.state().reason})"
     print(f"minagi.bench hf: torch {torch.__version__}, transformers {transformers.__version__}, {a.device}, "
-          f"{torch.get_num_threads()} threads, extension {ext}; ms per call, median of {a.rounds} interleaved "
-          "rounds", flush=True)
+          f"{torch.get_num_threads()} threads, extension {ext}, allocator {allocator.describe()}; ms per call, "
+          f"median of {a.rounds} interleaved rounds", flush=True)
     results, peaks = [], {}
     for name in blocks:
         for dtype in dtypes:
@@ -493,7 +497,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "device": a.device,
-                       "threads": torch.get_num_threads(), "extension": _backend.loaded(), "results": results,
+                       "threads": torch.get_num_threads(), "extension": _backend.loaded(),
+                       "allocator": allocator.describe(), "results": results,
                        "peak_bytes": {f"{b} {d}": v for (b, d), v in peaks.items()}, "generate_tokens_per_s": gen,
                        "targets": [dict(zip(("what", "value", "target", "met"), t)) for t in targets]}, f, indent=2)
     return 0

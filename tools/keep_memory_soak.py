@@ -25,6 +25,7 @@ def child(a) -> dict:
 
     from minagi import allocator, hf
     from minagi.bench import hf as bench
+    from minagi.bench import soak
     from minagi.memory import peak_resident_bytes, resident_bytes
 
     allocator.ensure()
@@ -41,12 +42,9 @@ def child(a) -> dict:
         times.append((time.perf_counter() - t0) * 1e3)
         if step % 10 == 0 or step == a.steps - 1:
             rss.append((step, resident_bytes() / 1e6))
-    after = [(s, m) for s, m in rss if s >= 10]
-    xs, ys = [s for s, _ in after], [m for _, m in after]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in after) / max(sum((x - mx) ** 2 for x in xs), 1e-9)
+    xs, ys = [s for s, _ in rss if s >= 10], [m for s, m in rss if s >= 10]
     return {"allocator": allocator.describe(), "ms_per_step": statistics.median(times[10:]),
-            "rss_mb_step10": ys[0], "rss_mb_end": ys[-1], "slope_mb_per_100_steps": slope * 100,
+            "rss_mb_step10": ys[0], "rss_mb_end": ys[-1], "slope_mb_per_100_steps": soak.slope_per_kstep(xs, ys) / 10,
             "peak_rss_mb": peak_resident_bytes() / 1e6}
 
 

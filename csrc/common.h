@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "activation.h"
@@ -178,8 +179,7 @@ inline void check_gate_grad_args(const at::Tensor& a, const at::Tensor& rows, co
 }
 
 // The operands of grouped_mm (a [E, K], b [S, K, M]) and grouped_mm_wgrad (a [E, K], grad [E, M]).
-inline void check_grouped_mm_args(const at::Tensor& a, const at::Tensor& b) {
-  const char* op = "grouped_mm";
+inline void check_grouped_mm_args(const at::Tensor& a, const at::Tensor& b, const char* op = "grouped_mm") {
   check_dim(a, 2, op, "a");
   check_dim(b, 3, op, "b");
   check_floating(a, op, "a");
@@ -197,6 +197,33 @@ inline void check_wgrad_args(const at::Tensor& a, const at::Tensor& grad, int64_
   check_same_device(a, grad, op, "a", "grad");
   check_size(grad, 0, a.size(0), op, "grad", "a.shape[0]");
   TORCH_CHECK(n_slots >= 1, "minagi.grouped_mm_wgrad: n_slots must be >= 1, got ", n_slots);
+}
+
+// scatter_mm_backward's operands: grad_y [N, D], a [E, I] and b [S, I, D] (grouped_mm's), gates [N,
+// k] in a's dtype, the plan's dest [N, k] and row_pair [E]; b_grad 0, 1 or 2.
+inline void check_scatter_mm_backward_args(const at::Tensor& grad_y, const at::Tensor& a, const at::Tensor& b,
+                                           const at::Tensor& gates, const at::Tensor& row_pair,
+                                           const at::Tensor& dest, int64_t b_grad) {
+  const char* op = "scatter_mm_backward";
+  check_dim(grad_y, 2, op, "grad_y");
+  check_dim(gates, 2, op, "gates");
+  check_grouped_mm_args(a, b, op);
+  const std::pair<const at::Tensor*, const char*> others[] = {{&grad_y, "grad_y"}, {&gates, "gates"}};
+  for (const auto& [t, name] : others) {
+    check_same_dtype(a, *t, op, "a", name);
+    check_same_device(a, *t, op, "a", name);
+  }
+  check_plan_maps(dest, row_pair, op);
+  check_same_device(a, dest, op, "a", "dest");
+  check_size(grad_y, 1, b.size(2), op, "grad_y", "b.shape[2]");
+  check_size(dest, 0, grad_y.size(0), op, "dest", "grad_y.shape[0]");
+  check_size(row_pair, 0, a.size(0), op, "row_pair", "a.shape[0]");
+  TORCH_CHECK(gates.sizes() == dest.sizes(), "minagi.scatter_mm_backward: gates must have the shape of dest ",
+              dest.sizes(), " ([N, k]), got ", gates.sizes());
+  TORCH_CHECK(b_grad >= 0 && b_grad <= 2, "minagi.scatter_mm_backward: b_grad must be 0 (no gradient), 1 (b's "
+              "shape [S, I, D]) or 2 (transposed, [S, D, I]), got ", b_grad);
+  debug_check_range(row_pair, -1, dest.numel(), op, "row_pair");
+  debug_check_range(dest, -1, a.size(0), op, "dest");
 }
 
 // An activation by name (csrc/activation.h), or an error that lists the known ones.

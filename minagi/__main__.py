@@ -23,9 +23,10 @@ def doctor() -> int:
     ]
     if st.loaded:
         lines.append(f"  build          {torch.ops.minagi.build_info()}")
-        for op in _backend.OP_NAMES:
+        for op in _backend.OP_NAMES + _backend.FUSED_OP_NAMES:
             kernels = [k for k in ("cpu", "cuda") if _backend.has_kernel(op, k)]
-            lines.append(f"  minagi::{op:<18} {', '.join(kernels) or 'none'}")
+            fused = " (fused; the ops above elsewhere)" if op in _backend.FUSED_OP_NAMES else ""
+            lines.append(f"  minagi::{op:<19} {', '.join(kernels) or 'none'}{fused}")
     gpu = "none visible"
     if torch.cuda.is_available():  # only here, on request: import never touches a device
         gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"

@@ -351,6 +351,46 @@ def _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post):
     return _post(out_ED, post, lambda b_SD: b_SD.index_select(0, reference.row_slots(order_A, rows_A)))
 
 
+class _SecondLayerScatter(torch.autograd.Function):
+    """y = weighted_scatter(grouped_mm(a, w_out), dest, row_pair, gates), whose backward is one
+    fused op (scatter_mm_backward): each slot's rows of the output gradient live in a thread's
+    tile, never in an [E, d] buffer, and the [E, d] outputs are not kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK, ops):
+        out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
+        ctx.ops = ops
+        ctx.save_for_backward(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK)
+        return ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
+
+    @staticmethod
+    def backward(ctx, grad_y_ND):
+        a_EH, w_out_SHD, gates_NK, *plan = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        layout = 0 if not need[1] else 2 if _ops.stored_transposed(w_out_SHD) else 1  # w_out's gradient, in its layout
+        # A double backward takes the differentiable twin.
+        fn = reference.scatter_mm_backward if torch.is_grad_enabled() else ctx.ops.scatter_mm_backward
+        grad_a, grad_w, grad_g = fn(grad_y_ND.contiguous(), a_EH, w_out_SHD, gates_NK, *plan, layout)
+        grad_w = (grad_w.mT if layout == 2 else grad_w) if need[1] else None
+        return grad_a if need[0] else None, grad_w, grad_g if need[2] else None, None, None, None, None, None
+
+
+# The fused backward keeps one slot's rows of the output gradient in a thread's tile: worth it
+# while a tile stays in cache and no slot holds more than a thread's share of the rows (the fused
+# op gives each slot to one thread, where the unfused GEMMs split a sink slot across threads).
+FUSED_TILE_BYTES = 1 << 20
+
+
+def _fuses_second_backward(ops, a_EH, w_out_SHD, gates_NK, rows_A, post) -> bool:
+    if post is not None or ops is _ops.REFERENCE or not rows_A.numel():
+        return False
+    if not _ops.has_fused("scatter_mm_backward", a_EH.device) or not _wants_grad((a_EH, w_out_SHD, gates_NK)):
+        return False
+    top = int(rows_A.max())  # slot_rows is on the host
+    return (top * w_out_SHD.shape[2] * a_EH.element_size() <= FUSED_TILE_BYTES
+            and top * torch.get_num_threads() <= a_EH.shape[0])
+
+
 def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed, form, b_in_SH, skip, post):
     """The plan's groups, one pair of grouped matmuls with the form's activation between, gated
     combine."""
@@ -360,8 +400,11 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
     load_S, order_A, rows_A, row_pair_E, dest_NK = plan
     buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
     a_EH = _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form)
-    out_ED = _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post)
-    y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
+    if _fuses_second_backward(ops, a_EH, w_out_SHD, gates_NK, rows_A, post):
+        y_ND = _SecondLayerScatter.apply(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK, ops)
+    else:
+        out_ED = _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post)
+        y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
     return y_ND, dest_NK >= 0, row_pair_E.shape[0], rows_A
 
 

@@ -83,12 +83,27 @@ def _fake_registrations(lib: str = "minagi") -> None:
         return h.new_empty(h.shape), h.new_empty((n_slots, h.shape[1]) if bias_grad else (0,))
 
 
+def _fused_fake_registrations(lib: str = "minagi") -> None:
+    @torch.library.register_fake(f"{lib}::scatter_mm_backward")
+    def _(grad_y, a, b, gates, slot_ids, slot_rows, row_pair, dest, b_grad):
+        if b_grad not in (0, 1, 2):
+            raise RuntimeError(f"minagi.scatter_mm_backward: b_grad must be 0 (no gradient), 1 (b's shape [S, I, D]) "
+                               f"or 2 (transposed, [S, D, I]), got {b_grad}")
+        S, I, D = b.shape
+        return a.new_empty(a.shape), a.new_empty(((0,), (S, I, D), (S, D, I))[b_grad]), gates.new_empty(gates.shape)
+
+
+def stored_transposed(b_SIO: torch.Tensor) -> bool:
+    """Whether b is the .mT view of a contiguous [S, out, in] weight (nn.Linear's layout)."""
+    return not b_SIO.is_contiguous() and b_SIO.mT.is_contiguous()
+
+
 def _wgrad(ops, a_EI, grad_EO, b_SIO, slot_ids, slot_rows, n_slots: int):
     """b's gradient in b's own layout. A weight stored [S, out, in] (nn.Linear's) comes in as its
     .mT view: the transposed problem's gradient, [S, out, in], viewed back, gives its parameter a
     contiguous gradient that autograd takes as is, where [S, in, out] would be copied to the
     parameter's layout (one more weight-sized buffer and pass per call)."""
-    if not b_SIO.is_contiguous() and b_SIO.mT.is_contiguous():
+    if stored_transposed(b_SIO):
         return ops.grouped_mm_wgrad(grad_EO, a_EI, slot_ids, slot_rows, n_slots).mT
     return ops.grouped_mm_wgrad(a_EI, grad_EO, slot_ids, slot_rows, n_slots)
 
@@ -212,12 +227,42 @@ def _autograd_registrations(lib: str = "minagi") -> None:
     torch.library.register_autograd(f"{lib}::expert_act_backward", act_backward_bwd, setup_context=act_backward_setup)
 
 
+def _fused_autograd_registrations(lib: str = "minagi") -> None:
+    def scatter_mm_backward_setup(ctx, inputs, output):
+        *tensors, b_grad = inputs
+        ctx.b_grad = b_grad
+        ctx.save_for_backward(*tensors)
+
+    def scatter_mm_backward_bwd(ctx, g_a, g_b, g_gates):
+        # Its second derivatives, through the twin's autograd (only double backward and checks come here).
+        grad_y, a, b, gates, *plan = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (grad_y, a, b, gates)]
+            outs = reference.scatter_mm_backward(*leaves, *plan, ctx.b_grad)
+            pairs = [(o, g) for o, g in zip(outs, (g_a, g_b, g_gates)) if g is not None and o.numel()]
+            if not pairs:
+                return (None,) * 9
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+        return (*grads, None, None, None, None, None)
+
+    torch.library.register_autograd(f"{lib}::scatter_mm_backward", scatter_mm_backward_bwd,
+                                    setup_context=scatter_mm_backward_setup)
+
+
 def _register() -> None:
     global _REGISTERED
     if not _REGISTERED:
         _fake_registrations()
         _autograd_registrations()
+        if _fused_names():  # a build from before a fused op has none of them
+            _fused_fake_registrations()
+            _fused_autograd_registrations()
         _REGISTERED = True
+
+
+def _fused_names() -> tuple[str, ...]:
+    """The fused ops this build of the extension has."""
+    return tuple(name for name in _backend.FUSED_OP_NAMES if hasattr(torch.ops.minagi, name))
 
 
 _COMPILED: tuple | None = None  # (the backend state it was made under, the table)
@@ -232,12 +277,14 @@ def compiled() -> types.SimpleNamespace:
     if not st.loaded:
         raise RuntimeError(f"minagi's compiled ops are not available: {st.reason}")
     _register()
-    table = types.SimpleNamespace(**{name: getattr(torch.ops.minagi, name) for name in _backend.OP_NAMES})
+    names = _backend.OP_NAMES + _fused_names()
+    table = types.SimpleNamespace(**{name: getattr(torch.ops.minagi, name) for name in names})
     _COMPILED = (st, table)
     return table
 
 
-REFERENCE = types.SimpleNamespace(**{name: getattr(reference, name) for name in _backend.OP_NAMES})
+REFERENCE = types.SimpleNamespace(**{name: getattr(reference, name)
+                                     for name in _backend.OP_NAMES + _backend.FUSED_OP_NAMES})
 
 
 _SUPPORTS: dict[str, bool] = {}
@@ -249,6 +296,17 @@ def supports(device: torch.device) -> bool:
     if device.type not in _SUPPORTS:
         _SUPPORTS[device.type] = all(_backend.has_kernel(name, device.type) for name in _backend.OP_NAMES)
     return _SUPPORTS[device.type]
+
+
+_FUSED: dict[tuple[str, str], bool] = {}
+
+
+def has_fused(name: str, device: torch.device) -> bool:
+    """Whether the fused op `name` (_backend.FUSED_OP_NAMES) has a compiled kernel for this device."""
+    key = (name, device.type)
+    if key not in _FUSED:
+        _FUSED[key] = _backend.loaded() and name in _fused_names() and _backend.has_kernel(name, device.type)
+    return _FUSED[key]
 
 
 def best(device: torch.device) -> types.SimpleNamespace:

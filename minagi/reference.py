@@ -217,3 +217,26 @@ def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str,
         return grad_h_EM, h_EM.new_zeros(0)
     grad_b_SM = h_EM.new_zeros(n_slots, h_EM.shape[1]).index_add(0, row_slots(slot_ids_A, slot_rows_A), grad_h_EM)
     return grad_h_EM, grad_b_SM
+
+
+def scatter_mm_backward(grad_y_ND, a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_A, row_pair_E, dest_NK,
+                        b_grad: int):
+    """The gradients of y = weighted_scatter(grouped_mm(a, b, slot_ids, slot_rows), dest, row_pair,
+    gates) with respect to a, b and the gates, given y's: (grad_a [E, I], grad_b, grad_gates [N, k]).
+    grad_b is [S, I, D] for b_grad 1, the same transposed ([S, D, I], contiguous) for 2, [0] for 0. The gates'
+    gradient is <a_r, grad_y b^T> per pair's row r, which equals <grad_y, a_r b>."""
+    N, K = dest_NK.shape
+    valid_E = row_pair_E >= 0
+    dy_ED = bucketed_gather(grad_y_ND, row_pair_E, dest_NK, None)  # each row's character's gradient
+    g_EI = grouped_mm(dy_ED, b_SID.transpose(1, 2), slot_ids_A, slot_rows_A)
+    gate_E = torch.where(valid_E, gates_NK.reshape(-1).index_select(0, row_pair_E.clamp(min=0)), 0.0)
+    grad_a_EI = g_EI * gate_E.unsqueeze(1)
+    if a_EI.shape[0]:
+        dot_NK = (g_EI * a_EI).sum(1).index_select(0, dest_NK.clamp(min=0).reshape(-1)).view(N, K)
+        grad_gates_NK = torch.where(dest_NK >= 0, dot_NK, 0.0)
+    else:  # every pair dropped
+        grad_gates_NK = gates_NK.new_zeros(N, K) + _graph_zero(grad_y_ND, a_EI, b_SID, gates_NK)
+    if not b_grad:
+        return grad_a_EI, a_EI.new_zeros(0), grad_gates_NK
+    grad_b_SID = grouped_mm_wgrad(a_EI, dy_ED * gate_E.unsqueeze(1), slot_ids_A, slot_rows_A, b_SID.shape[0])
+    return grad_a_EI, grad_b_SID.transpose(1, 2).contiguous() if b_grad == 2 else grad_b_SID, grad_gates_NK

@@ -273,3 +273,68 @@ def test_decode_path_gives_way_where_it_would_be_wrong(monkeypatch, path):
     assert_close(y_p, y_r)
     for a, b in zip(g_p, g_r):
         assert_close(a, b, scale=4)
+
+
+@requires_ext
+@pytest.mark.parametrize("name", ["uniform", "sink", "k1"])
+@pytest.mark.parametrize("cf,bucketed", [(0.0, None), (0.5, None), (0.0, True)])
+def test_fused_second_layer_backward_is_taken_and_equals_the_unfused_ops(monkeypatch, name, cf, bucketed):
+    from minagi import dispatch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the choice weighs the busiest slot against a thread's share of the rows
+    try:
+        slot_idx, leaves = make(name, torch.float64)
+        y_f, g_f, _ = _run("compiled", slot_idx, leaves, cf, bucketed)
+        monkeypatch.setattr(dispatch, "FUSED_TILE_BYTES", 0)  # no tile fits: the unfused ops
+        y_u, g_u, _ = _run("compiled", slot_idx, leaves, cf, bucketed)
+    finally:
+        torch.set_num_threads(threads)
+    assert y_f.grad_fn.name() == "_SecondLayerScatterBackward" and y_u.grad_fn.name() != y_f.grad_fn.name()
+    assert_close(y_f, y_u)
+    for what, a, b in zip(("x", "gates", "w_in", "w_out"), g_f, g_u):
+        assert_close(a, b, torch.float64, scale=4, msg=f"grad of {what}")
+
+
+@requires_ext
+def test_fused_second_layer_backward_gives_way_to_a_slot_past_a_threads_share():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # one slot holds every row: the unfused GEMMs split it over the threads
+        slot_idx, leaves = make("S1", torch.float64)
+        y, _, _ = _run("compiled", slot_idx, leaves)
+    finally:
+        torch.set_num_threads(threads)
+    assert y.grad_fn.name() != "_SecondLayerScatterBackward"
+
+
+def _stored_transposed_run(slot_idx, leaves):
+    """expert_mlp with weights stored [S, out, in] and passed as .mT: y's grad_fn, the stored
+    w_out's gradient, and second derivatives (of |dL/dx|^2) for every input."""
+    x, gates, w_in, w_out = (t.detach().clone() for t in leaves)
+    xs, g = x.requires_grad_(), gates.requires_grad_()
+    wi, wo = w_in.mT.contiguous().requires_grad_(), w_out.mT.contiguous().requires_grad_()
+    y = expert_mlp(xs, slot_idx, g, wi.mT, wo.mT, path="compiled")
+    (g_wo,) = torch.autograd.grad(y.pow(2).sum(), wo, retain_graph=True)
+    (gx,) = torch.autograd.grad(y.pow(2).sum(), xs, create_graph=True)
+    return y.grad_fn.name(), g_wo, torch.autograd.grad(gx.pow(2).sum(), [xs, g, wi, wo])
+
+
+@requires_ext
+def test_fused_second_layer_backward_keeps_the_weights_layout_and_its_second_derivatives(monkeypatch):
+    from minagi import dispatch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        slot_idx, leaves = make("uniform", torch.float64)
+        name_f, g_wo_f, second_f = _stored_transposed_run(slot_idx, leaves)
+        monkeypatch.setattr(dispatch, "FUSED_TILE_BYTES", 0)
+        name_u, g_wo_u, second_u = _stored_transposed_run(slot_idx, leaves)
+    finally:
+        torch.set_num_threads(threads)
+    assert name_f == "_SecondLayerScatterBackward" != name_u
+    assert g_wo_f.is_contiguous()  # the stored layout's gradient, with no copy to make
+    assert_close(g_wo_f, g_wo_u, torch.float64, scale=4)
+    for what, a, b in zip(("x", "gates", "w_in", "w_out"), second_f, second_u):
+        assert_close(a, b, torch.float64, scale=4, msg=f"second derivative of {what}")

@@ -241,3 +241,20 @@ def test_bench_hf_floor_is_each_experts_gemms_at_an_even_load_and_judges_only_be
     # Decode reads top_k experts, the floor all E: the decode target stays 2x the built-in.
     (what, value, need, met), = bench.check_targets([{**row(1.0, 0.4, 5.0), "decode": True}], {})
     assert (need, met) == (">= 2.0x", True) and what.endswith("decode vs grouped_mm")
+
+
+def test_profile_tool_shows_where_a_backends_time_goes_beside_the_floor():
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "profile_experts.py"
+    r = subprocess.run([sys.executable, str(tool), "--block", "olmoe", "--tokens", "32", "--scale", "0.125",
+                        "--calls", "1", "--warmup", "0", "--top", "60"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    head, columns, *rows = r.stdout.splitlines()
+    assert "forward+backward" in head and "minagi" in head and "floor" in head and "x)" in head
+    assert columns.split()[0] == "op"
+    ops = [row.split()[0] for row in rows if row[:1] != "("]
+    assert any(op.startswith("minagi::grouped_mm") for op in ops), ops  # minagi's own kernels are there
+    bad = subprocess.run([sys.executable, str(tool), "--block", "nope", "--scale", "0.125"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "choose from" in bad.stderr

@@ -281,6 +281,65 @@ def test_grouped_mm_splits_a_lone_slot_across_threads(compiled):
     assert compiled.grouped_mm_wgrad(a, g, ids, rows, 3)[1:].abs().sum() == 0
 
 
+# ---------------------------------------------------------------- the fused second-layer backward
+
+def _smb_problem(name, dtype, cap=0, bucketed=False, layout=1):
+    """scatter_mm_backward's operands on a case's plan: b [S, I, D] contiguous (layout 1) or the .mT
+    view of a contiguous [S, D, I] (layout 2)."""
+    slot_idx, (x, gates, _, _) = make(name, dtype)
+    N, S, K, _ = CASES[name]
+    _, order, rows, row_pair, dest = _plan(slot_idx, S, cap, bucketed)
+    I, D = 5, x.shape[1]
+    a = torch.randn(row_pair.shape[0], I, dtype=dtype)
+    b = torch.randn(S, I, D, dtype=dtype) if layout == 1 else torch.randn(S, D, I, dtype=dtype).mT
+    return torch.randn(N, D, dtype=dtype), a, b, gates.detach(), order, rows, row_pair, dest
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cap,bucketed", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("layout", [0, 1, 2])
+def test_scatter_mm_backward_matches_twin_and_the_unfused_ops(compiled, dtype, name, cap, bucketed, layout):
+    args = _smb_problem(name, dtype, cap, bucketed, 2 if layout == 2 else 1)
+    grad_y, a, b, gates, order, rows, row_pair, dest = args
+    got = compiled.scatter_mm_backward(*args, layout)
+    want = REF.scatter_mm_backward(*args, layout)
+    for what, g, w in zip(("a", "b", "gates"), got, want):
+        assert g.shape == w.shape, what
+        assert_close(g, w, dtype, scale=4, msg=f"scatter_mm_backward grad of {what}")
+    if layout == 2:  # the gradient of a weight stored [S, D, I], in that layout
+        assert got[1].is_contiguous()
+    # The same three gradients from the unfused ops, through autograd.
+    a_, b_, g_ = (t.clone().requires_grad_() for t in (a, b, gates))
+    y = compiled.weighted_scatter(compiled.grouped_mm(a_, b_, order, rows), dest, row_pair, g_)
+    ref_a, ref_b, ref_g = torch.autograd.grad(y, [a_, b_, g_], grad_y) if y.numel() else (None,) * 3
+    assert_close(got[0], ref_a, dtype, scale=4, msg="grad of a vs the unfused ops")
+    assert_close(got[2], ref_g, dtype, scale=4, msg="grad of gates vs the unfused ops")
+    if layout:
+        assert_close(got[1].mT if layout == 2 else got[1], ref_b, dtype, scale=4, msg="grad of b vs the unfused ops")
+    else:
+        assert got[1].numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scatter_mm_backward_half_precision(compiled, dtype):
+    args = [t.to(dtype) if t.is_floating_point() else t for t in _smb_problem("sink", torch.float64)]
+    for g, w in zip(compiled.scatter_mm_backward(*args, 1), REF.scatter_mm_backward(*args, 1)):
+        assert_close(g, w, dtype, scale=4)
+
+
+def test_scatter_mm_backward_bad_inputs_name_the_argument(compiled):
+    grad_y, a, b, gates, order, rows, row_pair, dest = _smb_problem("uniform", torch.float64)
+    with pytest.raises(RuntimeError, match="scatter_mm_backward: b_grad must be 0"):
+        compiled.scatter_mm_backward(grad_y, a, b, gates, order, rows, row_pair, dest, 3)
+    with pytest.raises(RuntimeError, match=r"scatter_mm_backward: grad_y.shape\[1\] must equal b.shape\[2\]"):
+        compiled.scatter_mm_backward(grad_y[:, :3], a, b, gates, order, rows, row_pair, dest, 1)
+    with pytest.raises(RuntimeError, match="scatter_mm_backward: gates .* must have the dtype of a"):
+        compiled.scatter_mm_backward(grad_y, a, b, gates.float(), order, rows, row_pair, dest, 1)
+    with pytest.raises(RuntimeError, match="scatter_mm_backward: row_pair holds"):
+        compiled.scatter_mm_backward(grad_y, a, b, gates, order, rows, row_pair.clamp(max=0) + 10 ** 6, dest, 1)
+
+
 # ---------------------------------------------------------------- opcheck and gradcheck
 
 def _opcheck_samples(device):
@@ -301,6 +360,8 @@ def _opcheck_samples(device):
         "gate_grad": (x, buf, dest, row_pair),
         "grouped_mm": (a, w_in, order, rows),
         "grouped_mm_wgrad": (a, g, order, rows, S),
+        "scatter_mm_backward": (torch.randn(x.shape[0], w_in.shape[2], dtype=torch.float64, requires_grad=True), a,
+                                w_in, gates, order, rows, row_pair, dest, 1),
     }
 
     def move(t):  # slot_rows (the last tensor of the GEMMs) stays on the host, as the plan gives it
@@ -312,14 +373,20 @@ def _opcheck_samples(device):
 
 
 @pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "bucketed_gather",
-                                "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad"])
+                                "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad",
+                                "scatter_mm_backward"])
 def test_opcheck(compiled, device, op):
+    if op in ops._backend.FUSED_OP_NAMES and not ops.has_fused(op, device):
+        pytest.skip(f"{op} has no {device.type} kernel (a fused op with a CPU kernel only)")
     args = _opcheck_samples(device)[op]
     # group_plan's output sizes depend on the data: no static-shape tracing for it. routing's
     # first output is int64, and opcheck's AOT harness sums every output into a tensor of the
     # first output's dtype in place, which fails before our op is looked at.
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    if op not in ("group_plan", "routing"):
+    # scatter_mm_backward's own backward (checks and double backward only) runs the twin, whose
+    # grouped GEMM reads slot_rows' values in Python: no tracing with fake tensors; gradcheck
+    # covers it.
+    if op not in ("group_plan", "routing", "scatter_mm_backward"):
         utils = utils + ("test_aot_dispatch_dynamic",)
     torch.library.opcheck(getattr(torch.ops.minagi, op), args, test_utils=utils)
 
@@ -349,6 +416,12 @@ def test_gradcheck(compiled, device):
     assert check(lambda l: compiled.routing(l, 3)[1], (logits,))
     # double backward through gather/scatter (their backwards are each other)
     assert torch.autograd.gradgradcheck(lambda x, g: compiled.bucketed_gather(x, row_pair, dest, g), (x, gates))
+    if device.type == "cpu":  # the fused backward and, through its twin, its own backward
+        gy = torch.randn(24, 3, dtype=torch.float64, requires_grad=True)
+        w_out = torch.randn(S, 4, 3, dtype=torch.float64, requires_grad=True)
+        a4 = torch.randn(row_pair.shape[0], 4, dtype=torch.float64, requires_grad=True)
+        f = lambda gy, a, b, g: compiled.scatter_mm_backward(gy, a, b, g, order, rows, row_pair, dest, 1)  # noqa: E731
+        assert check(f, (gy, a4, w_out, gates))
 
 
 # ---------------------------------------------------------------- bad input

@@ -389,6 +389,123 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
   return out;
 }
 
+// n elements of scratch for this thread, kept for its next call: a fresh block of a tile's size
+// (hundreds of KiB) would be mapped and faulted in page by page for every slot. Past kMaxKept
+// bytes the caller's own (freed) buffer is used instead, so a thread holds at most that much.
+constexpr size_t kMaxKept = size_t{4} << 20;
+
+template <typename T>
+T* thread_scratch(int64_t n, std::vector<T>& own) {
+  thread_local std::vector<T> kept;
+  std::vector<T>& buf = static_cast<size_t>(n) * sizeof(T) <= kMaxKept ? kept : own;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// For each of nr rows holding a pair (row_pair >= 0; a padding row's gradient is zero already):
+// the pair's gate gradient <g_r, a_r>, then g_r and (where tile is given) the row's tile row times
+// the pair's gate. g_r is the row of grad_y b^T.
+template <typename scalar_t>
+MINAGI_SIMD_CLONES void gate_rows(scalar_t* __restrict g, const scalar_t* __restrict a, scalar_t* __restrict tile,
+                                  const int64_t* __restrict row_pair, const scalar_t* __restrict gates,
+                                  scalar_t* __restrict grad_gates, int64_t nr, int64_t I, int64_t D) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t pair = row_pair[i];
+    if (pair < 0) continue;
+    scalar_t* gr = g + i * I;
+    const scalar_t* ar = a + i * I;
+    acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < I; ++c) dot += static_cast<acc_t>(gr[c]) * static_cast<acc_t>(ar[c]);
+    grad_gates[pair] = static_cast<scalar_t>(dot);
+    const acc_t w = static_cast<acc_t>(gates[pair]);
+#pragma omp simd
+    for (int64_t c = 0; c < I; ++c) gr[c] = static_cast<scalar_t>(w * static_cast<acc_t>(gr[c]));
+    if (tile == nullptr) continue;
+    scalar_t* t = tile + i * D;
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) t[c] = static_cast<scalar_t>(w * static_cast<acc_t>(t[c]));
+  }
+}
+
+// The gradients of y = weighted_scatter(grouped_mm(a, b), dest, row_pair, gates) with respect to a,
+// b and the gates, one slot's rows at a time on one thread. A row's output gradient (its
+// character's grad_y, times its gate) is the gathered operand of both of the slot's GEMMs; here it
+// lives in the thread's tile (in cache) where the unfused backward writes an [E, D] buffer and
+// reads it three times (for a's gradient, b's, and the gates'). The gates' gradient comes from the
+// I-wide rows, <a_r, grad_y b^T>, which equals <grad_y, a_r b>: the D-wide outputs need not be kept
+// from the forward. grad_b: b_grad 1 gives [S, I, D], 2 the same transposed ([S, D, I], contiguous:
+// the layout of a weight stored [S, D, I] and passed as its .mT view), 0 none ([0]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
+    const at::Tensor& grad_y_in, const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& gates_in,
+    const at::Tensor& slot_ids, const at::Tensor& slot_rows, const at::Tensor& row_pair_in, const at::Tensor& dest,
+    int64_t b_grad) {
+  const char* op = "scatter_mm_backward";
+  check_scatter_mm_backward_args(grad_y_in, a_in, b, gates_in, row_pair_in, dest, b_grad);
+  const at::Tensor grad_y = grad_y_in.contiguous(), a = a_in.contiguous(), gates = gates_in.contiguous();
+  const at::Tensor row_pair = row_pair_in.contiguous();
+  const int64_t E = a.size(0), I = a.size(1), S = b.size(0), D = b.size(2), N = dest.size(0), k = dest.size(1);
+  check_range_cpu(row_pair, -1, N * k, op, "row_pair");
+  const auto start = range_starts(slot_ids, slot_rows, E, S, op, true);
+  at::Tensor grad_a = empty_output({E, I}, a.options());
+  at::Tensor grad_g = at::zeros({N, k}, a.options());  // dropped pairs own no row: their gradient is 0
+  const std::vector<int64_t> b_shape = b_grad == 2 ? std::vector<int64_t>{S, D, I} : std::vector<int64_t>{S, I, D};
+  at::Tensor grad_b = b_grad ? empty_output(b_shape, a.options()) : at::empty({0}, a.options());
+  // One part per slot, never split (its weight gradient is one GEMM over all its rows); largest
+  // first. Slots that own no rows get a zero gradient, as parts of their own.
+  const at::Tensor ids = slot_ids.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<Part> parts;
+  std::vector<char> owned(S, 0);
+  for (int64_t i = 0; i + 1 < static_cast<int64_t>(start.size()); ++i) {
+    owned[ip[i]] = 1;
+    parts.push_back({ip[i], start[i], start[i + 1] - start[i], 0, 1});
+  }
+  for (int64_t s = 0; s < S && b_grad; ++s) {
+    if (!owned[s]) parts.push_back({s, 0, 0, 0, 1});
+  }
+  std::stable_sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.nr > y.nr; });
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_scatter_mm_backward", [&] {
+    const scalar_t* gy = grad_y.data_ptr<scalar_t>();
+    const scalar_t* ap = a.data_ptr<scalar_t>();
+    const scalar_t* gp = gates.data_ptr<scalar_t>();
+    const int64_t* rp = row_pair.data_ptr<int64_t>();
+    scalar_t* ga = grad_a.data_ptr<scalar_t>();
+    scalar_t* gg = grad_g.data_ptr<scalar_t>();
+    run_parts(parts, [&](const Part& p) {
+      if (p.nr == 0) {
+        if (b_grad) grad_b.select(0, p.slot).zero_();
+        return;
+      }
+      std::vector<scalar_t> own;
+      scalar_t* tile = thread_scratch<scalar_t>(p.nr * D, own);
+      for (int64_t i = 0; i < p.nr; ++i) {  // each row's character's grad_y (zeros for padding)
+        const int64_t pair = rp[p.r0 + i];
+        scalar_t* t = tile + i * D;
+        if (pair < 0) {
+          std::fill(t, t + D, scalar_t(0));
+        } else {
+          std::copy(gy + (pair / k) * D, gy + (pair / k + 1) * D, t);
+        }
+      }
+      const at::Tensor tile_t = at::from_blob(tile, {p.nr, D}, a.options());
+      at::Tensor g_rows = grad_a.narrow(0, p.r0, p.nr);
+      at::cpu::mm_out(g_rows, tile_t, b.select(0, p.slot).t());  // grad_y b^T: [nr, I]
+      gate_rows<scalar_t>(ga + p.r0 * I, ap + p.r0 * I, b_grad ? tile : nullptr, rp + p.r0, gp, gg, p.nr, I, D);
+      if (b_grad == 0) return;
+      at::Tensor o = grad_b.select(0, p.slot);
+      const at::Tensor a_rows = a.narrow(0, p.r0, p.nr);
+      if (b_grad == 1) {
+        at::cpu::mm_out(o, a_rows.t(), tile_t);  // [I, nr] x [nr, D]
+      } else {
+        at::cpu::mm_out(o, tile_t.t(), a_rows);  // [D, nr] x [nr, I]
+      }
+    });
+  });
+  return {grad_a, grad_b, grad_g};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(minagi, CPU, m) {
@@ -396,6 +513,7 @@ TORCH_LIBRARY_IMPL(minagi, CPU, m) {
   m.impl("grouped_mm_wgrad", &grouped_mm_wgrad_cpu);
   m.impl("grouped_mm_act", &grouped_mm_act_cpu);
   m.impl("expert_act_backward", &expert_act_backward_cpu);
+  m.impl("scatter_mm_backward", &scatter_mm_backward_cpu);
 }
 
 }  // namespace minagi

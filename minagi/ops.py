@@ -108,6 +108,19 @@ def _wgrad(ops, a_EI, grad_EO, b_SIO, slot_ids, slot_rows, n_slots: int):
     return ops.grouped_mm_wgrad(a_EI, grad_EO, slot_ids, slot_rows, n_slots)
 
 
+def _through_twin(twin, inputs, rest, grad_outs) -> tuple:
+    """The gradients of a backward op's outputs with respect to its tensor inputs, given the
+    outputs' gradients: through its pure-torch twin's autograd (the ops' own backwards are only
+    reached by double backward and checks). None for each input where no output has a gradient."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        outs = twin(*leaves, *rest)
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.numel()]
+        if not pairs:
+            return (None,) * len(leaves)
+        return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+
+
 def _autograd_registrations(lib: str = "minagi") -> None:
     ops = getattr(torch.ops, lib)
 
@@ -217,12 +230,8 @@ def _autograd_registrations(lib: str = "minagi") -> None:
         # Second derivatives of the forms, through the twin's autograd (only double backward and
         # checks come here).
         grad, h, slot_ids, slot_rows = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [grad.detach().requires_grad_(), h.detach().requires_grad_()]
-            gh, gb = reference.expert_act_backward(*leaves, slot_ids, slot_rows, *ctx.args)
-            pairs = [(o, g) for o, g in ((gh, g_gh), (gb, g_gb)) if g is not None and o.numel()]
-            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
-        return grads[0], grads[1], None, None, None, None, None, None, None
+        grads = _through_twin(reference.expert_act_backward, (grad, h), (slot_ids, slot_rows, *ctx.args), (g_gh, g_gb))
+        return *grads, None, None, None, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::expert_act_backward", act_backward_bwd, setup_context=act_backward_setup)
 
@@ -236,14 +245,9 @@ def _fused_autograd_registrations(lib: str = "minagi") -> None:
     def scatter_mm_backward_bwd(ctx, g_a, g_b, g_gates):
         # Its second derivatives, through the twin's autograd (only double backward and checks come here).
         grad_y, a, b, gates, *plan = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (grad_y, a, b, gates)]
-            outs = reference.scatter_mm_backward(*leaves, *plan, ctx.b_grad)
-            pairs = [(o, g) for o, g in zip(outs, (g_a, g_b, g_gates)) if g is not None and o.numel()]
-            if not pairs:
-                return (None,) * 9
-            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
-        return (*grads, None, None, None, None, None)
+        grads = _through_twin(reference.scatter_mm_backward, (grad_y, a, b, gates), (*plan, ctx.b_grad),
+                              (g_a, g_b, g_gates))
+        return *grads, None, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::scatter_mm_backward", scatter_mm_backward_bwd,
                                     setup_context=scatter_mm_backward_setup)

@@ -179,13 +179,14 @@ inline void check_gate_grad_args(const at::Tensor& a, const at::Tensor& rows, co
 }
 
 // The operands of grouped_mm (a [E, K], b [S, K, M]) and grouped_mm_wgrad (a [E, K], grad [E, M]).
-inline void check_grouped_mm_args(const at::Tensor& a, const at::Tensor& b, const char* op = "grouped_mm") {
-  check_dim(a, 2, op, "a");
+inline void check_grouped_mm_args(const at::Tensor& a, const at::Tensor& b, const char* op = "grouped_mm",
+                                  const char* a_name = "a") {
+  check_dim(a, 2, op, a_name);
   check_dim(b, 3, op, "b");
-  check_floating(a, op, "a");
-  check_same_dtype(a, b, op, "a", "b");
-  check_same_device(a, b, op, "a", "b");
-  check_size(b, 1, a.size(1), op, "b", "a.shape[1]");
+  check_floating(a, op, a_name);
+  check_same_dtype(a, b, op, a_name, "b");
+  check_same_device(a, b, op, a_name, "b");
+  check_size(b, 1, a.size(1), op, "b", (std::string(a_name) + ".shape[1]").c_str());
 }
 
 inline void check_wgrad_args(const at::Tensor& a, const at::Tensor& grad, int64_t n_slots) {
@@ -237,19 +238,19 @@ inline Act parse_act(const std::string& name, const char* op) {
 }
 
 // grouped_mm_act's operands: grouped_mm's, a gated form's even width, a bias [S, M].
+// grouped_mm_act's operands (and gather_mm_act's, whose rows come from x: op and a_name say so).
 inline Act check_grouped_mm_act_args(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
-                                     const std::string& activation) {
-  const char* op = "grouped_mm_act";
-  check_grouped_mm_args(a, b);
+                                     const std::string& activation, const char* op = "grouped_mm_act",
+                                     const char* a_name = "a") {
+  check_grouped_mm_args(a, b, op, a_name);
   const Act act = parse_act(activation, op);
-  TORCH_CHECK(!act_gated(act) || b.size(2) % 2 == 0, "minagi.grouped_mm_act: the gated form '", activation,
+  TORCH_CHECK(!act_gated(act) || b.size(2) % 2 == 0, "minagi.", op, ": the gated form '", activation,
               "' needs an even width (gate and up, 2H), got b of shape ", b.sizes());
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == b.size(0) && bias->size(1) == b.size(2),
-                "minagi.grouped_mm_act: bias must be [S, M] = [", b.size(0), ", ", b.size(2), "], got shape ",
-                bias->sizes());
-    check_same_dtype(a, *bias, op, "a", "bias");
-    check_same_device(a, *bias, op, "a", "bias");
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == b.size(0) && bias->size(1) == b.size(2), "minagi.", op,
+                ": bias must be [S, M] = [", b.size(0), ", ", b.size(2), "], got shape ", bias->sizes());
+    check_same_dtype(a, *bias, op, a_name, "bias");
+    check_same_device(a, *bias, op, a_name, "bias");
   }
   return act;
 }

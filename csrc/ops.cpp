@@ -103,9 +103,15 @@ TORCH_LIBRARY(minagi, m) {
   // The backward of y = weighted_scatter(grouped_mm(a, b, slot_ids, slot_rows), dest, row_pair, gates)
   // given grad_y [N, D], fused: a's gradient [E, I], b's (b_grad 1: [S, I, D]; 2: transposed,
   // [S, D, I], the layout of a weight stored that way and passed as its .mT view; 0: none, [0]),
-  // and the gates' [N, k] (0 for dropped pairs). A CPU kernel only (ops.FUSED_OPS): elsewhere the
+  // and the gates' [N, k] (0 for dropped pairs). A CPU kernel only (_backend.FUSED_OP_NAMES): elsewhere the
   // unfused ops above compute the same.
   m.def(
       "scatter_mm_backward(Tensor grad_y, Tensor a, Tensor b, Tensor gates, Tensor slot_ids, Tensor slot_rows, "
       "Tensor row_pair, Tensor dest, int b_grad) -> (Tensor grad_a, Tensor grad_b, Tensor grad_gates)");
+  // grouped_mm_act(bucketed_gather(x, row_pair, dest), b, bias, ...)'s activation, [E, M] or
+  // [E, M / 2], without the gathered rows or h ever written out: for inference, where the backward
+  // needs neither. A CPU kernel only (_backend.FUSED_OP_NAMES).
+  m.def(
+      "gather_mm_act(Tensor x, Tensor b, Tensor? bias, Tensor slot_ids, Tensor slot_rows, Tensor row_pair, "
+      "Tensor dest, str activation, float alpha, float limit) -> Tensor");
 }

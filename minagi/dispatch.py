@@ -391,6 +391,21 @@ def _fuses_second_backward(ops, a_EH, w_out_SHD, gates_NK, rows_A, post) -> bool
             and top * torch.get_num_threads() <= a_EH.shape[0])
 
 
+# Inference's first layer gathers each slot's rows into a thread's tile and multiplies them there
+# (gather_mm_act): the gathered rows and h are never written out, where the training path keeps
+# both for the backward. Taken while the busiest slot's rows and their h fit in a tile (csrc's
+# kGatherTileBytes); larger experts (hundreds of rows of a wide layer) keep one GEMM per slot.
+GATHER_TILE_BYTES = 2 << 20
+
+
+def _gathers_in_tiles(ops, x_ND, w_in_SDH, b_in_SH, rows_A, form) -> bool:
+    if form.fn is not None or ops is _ops.REFERENCE or not rows_A.numel():
+        return False
+    if not _ops.has_fused("gather_mm_act", x_ND.device) or _wants_grad((x_ND, w_in_SDH, b_in_SH)):
+        return False
+    return int(rows_A.max()) * (w_in_SDH.shape[1] + w_in_SDH.shape[2]) * x_ND.element_size() <= GATHER_TILE_BYTES
+
+
 def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed, form, b_in_SH, skip, post):
     """The plan's groups, one pair of grouped matmuls with the form's activation between, gated
     combine."""
@@ -398,8 +413,11 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
     plan = ops.group_plan(slot_idx_NK, S, cap, bucketed, True) if skip else ops.group_plan(slot_idx_NK, S, cap,
                                                                                          bucketed)
     load_S, order_A, rows_A, row_pair_E, dest_NK = plan
-    buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
-    a_EH = _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form)
+    if _gathers_in_tiles(ops, x_ND, w_in_SDH, b_in_SH, rows_A, form):
+        a_EH = ops.gather_mm_act(x_ND, w_in_SDH, b_in_SH, order_A, rows_A, row_pair_E, dest_NK, *_form_args(form))
+    else:
+        buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
+        a_EH = _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form)
     if _fuses_second_backward(ops, a_EH, w_out_SHD, gates_NK, rows_A, post):
         y_ND = _SecondLayerScatter.apply(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK, ops)
     else:

@@ -83,14 +83,21 @@ def _fake_registrations(lib: str = "minagi") -> None:
         return h.new_empty(h.shape), h.new_empty((n_slots, h.shape[1]) if bias_grad else (0,))
 
 
-def _fused_fake_registrations(lib: str = "minagi") -> None:
-    @torch.library.register_fake(f"{lib}::scatter_mm_backward")
-    def _(grad_y, a, b, gates, slot_ids, slot_rows, row_pair, dest, b_grad):
-        if b_grad not in (0, 1, 2):
-            raise RuntimeError(f"minagi.scatter_mm_backward: b_grad must be 0 (no gradient), 1 (b's shape [S, I, D]) "
-                               f"or 2 (transposed, [S, D, I]), got {b_grad}")
-        S, I, D = b.shape
-        return a.new_empty(a.shape), a.new_empty(((0,), (S, I, D), (S, D, I))[b_grad]), gates.new_empty(gates.shape)
+def _fused_fake_registrations(names: tuple[str, ...], lib: str = "minagi") -> None:
+    if "scatter_mm_backward" in names:
+        @torch.library.register_fake(f"{lib}::scatter_mm_backward")
+        def _(grad_y, a, b, gates, slot_ids, slot_rows, row_pair, dest, b_grad):
+            if b_grad not in (0, 1, 2):
+                raise RuntimeError(f"minagi.scatter_mm_backward: b_grad must be 0 (no gradient), 1 (b's shape "
+                                   f"[S, I, D]) or 2 (transposed, [S, D, I]), got {b_grad}")
+            S, I, D = b.shape
+            return a.new_empty(a.shape), a.new_empty(((0,), (S, I, D), (S, D, I))[b_grad]), gates.new_empty(gates.shape)
+
+    if "gather_mm_act" in names:
+        @torch.library.register_fake(f"{lib}::gather_mm_act")
+        def _(x, b, bias, slot_ids, slot_rows, row_pair, dest, activation, alpha, limit):
+            M = b.shape[2]
+            return x.new_empty(row_pair.shape[0], M // 2 if activation in reference.GATED else M)
 
 
 def stored_transposed(b_SIO: torch.Tensor) -> bool:
@@ -236,7 +243,34 @@ def _autograd_registrations(lib: str = "minagi") -> None:
     torch.library.register_autograd(f"{lib}::expert_act_backward", act_backward_bwd, setup_context=act_backward_setup)
 
 
-def _fused_autograd_registrations(lib: str = "minagi") -> None:
+def _fused_autograd_registrations(names: tuple[str, ...], lib: str = "minagi") -> None:
+    if "scatter_mm_backward" in names:
+        _scatter_mm_backward_autograd(lib)
+    if "gather_mm_act" in names:
+        _gather_mm_act_autograd(lib)
+
+
+def _gather_mm_act_autograd(lib: str) -> None:
+    # An inference op: dispatch never calls it where a gradient is wanted. Its gradients, for
+    # whoever does, come through the twin's autograd.
+    def setup(ctx, inputs, output):
+        x, b, bias, slot_ids, slot_rows, row_pair, dest, *form = inputs
+        ctx.form, ctx.has_bias = form, bias is not None
+        ctx.save_for_backward(x, b, bias, slot_ids, slot_rows, row_pair, dest)
+
+    def bwd(ctx, g_out):
+        x, b, bias, *plan = ctx.saved_tensors
+        create = torch.is_grad_enabled()  # a double backward: the graph goes on through these gradients
+        with torch.enable_grad():
+            leaves = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, b, bias) if t is not None]
+            out = reference.gather_mm_act(*leaves, *([None] if bias is None else []), *plan, *ctx.form)
+            grads = torch.autograd.grad(out, leaves, g_out, create_graph=create, allow_unused=True)
+        return grads[0], grads[1], grads[2] if ctx.has_bias else None, None, None, None, None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::gather_mm_act", bwd, setup_context=setup)
+
+
+def _scatter_mm_backward_autograd(lib: str) -> None:
     def scatter_mm_backward_setup(ctx, inputs, output):
         *tensors, b_grad = inputs
         ctx.b_grad = b_grad
@@ -258,9 +292,9 @@ def _register() -> None:
     if not _REGISTERED:
         _fake_registrations()
         _autograd_registrations()
-        if _fused_names():  # a build from before a fused op has none of them
-            _fused_fake_registrations()
-            _fused_autograd_registrations()
+        names = _fused_names()  # a build from before a fused op lacks it
+        _fused_fake_registrations(names)
+        _fused_autograd_registrations(names)
         _REGISTERED = True
 
 

@@ -207,6 +207,13 @@ def grouped_mm_act(a_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation: st
     return h_EM, activate(h_EM, activation, alpha, limit)
 
 
+def gather_mm_act(x_ND, b_SKM, bias_SM, slot_ids_A, slot_rows_A, row_pair_E, dest_NK, activation: str,
+                  alpha: float, limit: float):
+    """The activation of grouped_mm_act on the plan's gathered rows of x (inference's first layer)."""
+    buf_EK = bucketed_gather(x_ND, row_pair_E, dest_NK, None)
+    return grouped_mm_act(buf_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation, alpha, limit)[1]
+
+
 def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str, alpha: float, limit: float,
                         n_slots: int, bias_grad: bool):
     """h's gradient through the activation, and per slot the column sums of it (the bias's)."""

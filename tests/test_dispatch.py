@@ -308,6 +308,38 @@ def test_fused_second_layer_backward_gives_way_to_a_slot_past_a_threads_share():
     assert y.grad_fn.name() != "_SecondLayerScatterBackward"
 
 
+@requires_ext
+@pytest.mark.parametrize("name", ["uniform", "sink", "k1", "empty"])
+@pytest.mark.parametrize("cf,bucketed", [(0.0, None), (0.5, None), (0.0, True)])
+@pytest.mark.parametrize("activation,bias,transposed", [("gelu", False, False), ("swiglu", True, True)])
+def test_inference_gathers_in_tiles_and_equals_the_training_path(monkeypatch, name, cf, bucketed, activation, bias,
+                                                                  transposed):
+    from minagi import dispatch
+
+    taken = []
+    real = dispatch._gathers_in_tiles
+    monkeypatch.setattr(dispatch, "_gathers_in_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
+    slot_idx, (x, gates, w_in, w_out) = make(name, torch.float64, requires_grad=False)
+    w_in = torch.cat([w_in, w_in.flip(2)], 2) if activation == "swiglu" else w_in
+    b_in = torch.randn(w_in.shape[0], w_in.shape[2], dtype=torch.float64) if bias else None
+    w_in = w_in.mT.contiguous().mT if transposed else w_in
+
+    def run():
+        return expert_mlp(x, slot_idx, gates, w_in, w_out, activation=activation, b_in=b_in, path="compiled",
+                          capacity_factor=cf, bucketed=bucketed)
+
+    with torch.no_grad():
+        y_tiles = run()
+    monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", 0)  # no tile fits: bucketed_gather and grouped_mm_act
+    with torch.no_grad():
+        y_buf = run()
+    w_in.requires_grad_()
+    y_train = run()  # a gradient is wanted: the training path, which keeps its buffers
+    assert taken == ([False] * 3 if name == "empty" else [True, False, False])  # no rows: nothing to tile
+    assert_close(y_tiles, y_buf, torch.float64, scale=4)
+    assert_close(y_tiles, y_train.detach(), torch.float64, scale=4)
+
+
 def _stored_transposed_run(slot_idx, leaves):
     """expert_mlp with weights stored [S, out, in] and passed as .mT: y's grad_fn, the stored
     w_out's gradient, and second derivatives (of |dL/dx|^2) for every input."""

@@ -227,6 +227,19 @@ def test_grouped_mm_transposed_weights(compiled, device):
     assert_close(got.cpu(), REF.grouped_mm(a, b_t, order, rows))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_grouped_mm_weights_with_no_unit_stride(compiled, device, dtype):
+    # A view with no unit stride cannot go to the BLAS as it is: the CPU takes ATen's mm there.
+    slot_idx = sink_routing(300, 8, 2, 190)
+    _, order, rows, row_pair, _ = _plan(slot_idx, 8, 0, False)
+    a = torch.randn(row_pair.shape[0], 24, dtype=torch.float64)
+    b = torch.randn(8, 48, 40, dtype=torch.float64) / 4
+    b_view = b.to(device, dtype)[:, ::2, ::2]
+    assert 1 not in b_view.stride()[1:]
+    got = compiled.grouped_mm(a.to(device, dtype), b_view, order.to(device), rows)
+    assert_close(got.cpu(), REF.grouped_mm(a, b[:, ::2, ::2], order, rows), dtype, scale=4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_mm_half_precision(compiled, device, dtype):
     slot_idx, (_, _, w_in, _) = make("sink", dtype, requires_grad=False)
@@ -340,6 +353,67 @@ def test_scatter_mm_backward_bad_inputs_name_the_argument(compiled):
         compiled.scatter_mm_backward(grad_y, a, b, gates, order, rows, row_pair.clamp(max=0) + 10 ** 6, dest, 1)
 
 
+# ---------------------------------------------------------------- inference's first layer in tiles
+
+def _gma_problem(name, dtype, cap=0, bucketed=False, activation="gelu", bias=False, transposed=False, M=12):
+    """gather_mm_act's operands on a case's plan: w [S, D, M] contiguous or the .mT view of [S, M, D]."""
+    slot_idx, (x, _, _, _) = make(name, dtype, requires_grad=False)
+    N, S, K, _ = CASES[name]
+    _, order, rows, row_pair, dest = _plan(slot_idx, S, cap, bucketed)
+    D = x.shape[1]
+    w = torch.randn(S, M, D, dtype=dtype).mT if transposed else torch.randn(S, D, M, dtype=dtype)
+    b = torch.randn(S, M, dtype=dtype) if bias else None
+    return (x, w / D ** 0.5, b, order, rows, row_pair, dest, activation, 1.702, 7.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cap,bucketed", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("activation,bias,transposed", [("gelu", False, False), ("swiglu", True, False),
+                                                        ("swiglu_oai", True, True), ("relu2", False, True)])
+def test_gather_mm_act_matches_twin_and_the_unfused_ops(compiled, dtype, name, cap, bucketed, activation, bias,
+                                                         transposed):
+    args = _gma_problem(name, dtype, cap, bucketed, activation, bias, transposed)
+    x, w, b, order, rows, row_pair, dest, *form = args
+    got = compiled.gather_mm_act(*args)
+    assert_close(got, REF.gather_mm_act(*args), dtype, scale=4)
+    unfused = compiled.grouped_mm_act(compiled.bucketed_gather(x, row_pair, dest, None), w, b, order, rows, *form)[1]
+    assert_close(got, unfused, dtype, scale=4, msg="against grouped_mm_act on bucketed_gather's rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gather_mm_act_half_precision(compiled, dtype):
+    args = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in _gma_problem("sink", torch.float64, activation="swiglu", bias=True)]
+    assert_close(compiled.gather_mm_act(*args), REF.gather_mm_act(*args), dtype, scale=4)
+
+
+def test_gather_mm_act_cuts_a_slot_too_wide_for_one_tile():
+    # A row of x and h wider than a tile's share: each slot's rows go through in several tiles.
+    if not ops.has_fused("gather_mm_act", torch.device("cpu")):
+        pytest.skip("no compiled gather_mm_act in this build")
+    args = _gma_problem("uniform", torch.float32, M=70_000)  # ~280 KB a row: 8 rows a tile
+    assert max(args[4]) > 8
+    assert_close(ops.compiled().gather_mm_act(*args), REF.gather_mm_act(*args), torch.float32, scale=4)
+
+
+def test_gather_mm_act_bad_inputs_name_the_argument(compiled):
+    x, w, b, order, rows, row_pair, dest, *form = _gma_problem("uniform", torch.float64, activation="swiglu",
+                                                               bias=True)
+    with pytest.raises(RuntimeError, match="gather_mm_act: b .* must have the dtype of x"):
+        compiled.gather_mm_act(x, w.float(), b, order, rows, row_pair, dest, *form)
+    with pytest.raises(RuntimeError, match=r"gather_mm_act: b.shape\[1\] must equal x.shape\[1\]"):
+        compiled.gather_mm_act(x[:, :3], w, b, order, rows, row_pair, dest, *form)
+    with pytest.raises(RuntimeError, match=r"gather_mm_act: dest.shape\[0\] must equal x.shape\[0\]"):
+        compiled.gather_mm_act(x[:5], w, b, order, rows, row_pair, dest, *form)
+    with pytest.raises(RuntimeError, match="gather_mm_act: bias must be"):
+        compiled.gather_mm_act(x, w, b[:, :4], order, rows, row_pair, dest, *form)
+    with pytest.raises(RuntimeError, match="gather_mm_act: row_pair holds"):
+        compiled.gather_mm_act(x, w, b, order, rows, row_pair.clamp(max=0) + 10 ** 6, dest, *form)
+    with pytest.raises(RuntimeError, match="gather_mm_act: the gated form 'swiglu' needs an even width"):
+        compiled.gather_mm_act(x, w[:, :, :11], b[:, :11], order, rows, row_pair, dest, *form)
+
+
 # ---------------------------------------------------------------- opcheck and gradcheck
 
 def _opcheck_samples(device):
@@ -362,6 +436,8 @@ def _opcheck_samples(device):
         "grouped_mm_wgrad": (a, g, order, rows, S),
         "scatter_mm_backward": (torch.randn(x.shape[0], w_in.shape[2], dtype=torch.float64, requires_grad=True), a,
                                 w_in, gates, order, rows, row_pair, dest, 1),
+        "gather_mm_act": (x, w_in, torch.randn(S, w_in.shape[2], dtype=torch.float64, requires_grad=True), order,
+                          rows, row_pair, dest, "swiglu", 1.702, 7.0),
     }
 
     def move(t):  # slot_rows (the last tensor of the GEMMs) stays on the host, as the plan gives it
@@ -374,7 +450,7 @@ def _opcheck_samples(device):
 
 @pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "bucketed_gather",
                                 "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad",
-                                "scatter_mm_backward"])
+                                "scatter_mm_backward", "gather_mm_act"])
 def test_opcheck(compiled, device, op):
     if op in ops._backend.FUSED_OP_NAMES and not ops.has_fused(op, device):
         pytest.skip(f"{op} has no {device.type} kernel (a fused op with a CPU kernel only)")
@@ -383,10 +459,9 @@ def test_opcheck(compiled, device, op):
     # first output is int64, and opcheck's AOT harness sums every output into a tensor of the
     # first output's dtype in place, which fails before our op is looked at.
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    # scatter_mm_backward's own backward (checks and double backward only) runs the twin, whose
-    # grouped GEMM reads slot_rows' values in Python: no tracing with fake tensors; gradcheck
-    # covers it.
-    if op not in ("group_plan", "routing", "scatter_mm_backward"):
+    # The fused ops' own backwards (checks and double backward only) run the twins, whose grouped
+    # GEMMs read slot_rows' values in Python: no tracing with fake tensors; gradcheck covers them.
+    if op not in ("group_plan", "routing", "scatter_mm_backward", "gather_mm_act"):
         utils = utils + ("test_aot_dispatch_dynamic",)
     torch.library.opcheck(getattr(torch.ops.minagi, op), args, test_utils=utils)
 
@@ -422,6 +497,11 @@ def test_gradcheck(compiled, device):
         a4 = torch.randn(row_pair.shape[0], 4, dtype=torch.float64, requires_grad=True)
         f = lambda gy, a, b, g: compiled.scatter_mm_backward(gy, a, b, g, order, rows, row_pair, dest, 1)  # noqa: E731
         assert check(f, (gy, a4, w_out, gates))
+        # inference's tiled first layer: its gradients and second derivatives, through its twin
+        b_in = torch.randn(S, 4, dtype=torch.float64, requires_grad=True)
+        f = lambda x, w, b: compiled.gather_mm_act(x, w, b, order, rows, row_pair, dest, "swiglu", 1.702, 7.0)  # noqa: E731
+        assert check(f, (x, w_in, b_in))
+        assert torch.autograd.gradgradcheck(f, (x, w_in, b_in))
 
 
 # ---------------------------------------------------------------- bad input

@@ -506,6 +506,67 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
   return {grad_a, grad_b, grad_g};
 }
 
+// A chunk's gathered rows and their h: small enough to stay in cache between the copy and the GEMM.
+constexpr int64_t kGatherTileBytes = int64_t{2} << 20;  // dispatch.GATHER_TILE_BYTES
+
+// The activation of grouped_mm_act(bucketed_gather(x, row_pair, dest), b, bias, ...) without its
+// two [E, ...] buffers: each row's character's x (zeros for a padding row) is copied into the
+// thread's tile, multiplied there, and only the activation is written out. The unfused forward
+// writes the gathered rows and h to memory and reads both back; in inference neither is kept.
+at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const c10::optional<at::Tensor>& bias_in,
+                             const at::Tensor& slot_ids, const at::Tensor& slot_rows, const at::Tensor& row_pair_in,
+                             const at::Tensor& dest, c10::string_view activation, double alpha, double limit) {
+  const char* op = "gather_mm_act";
+  const Act act = check_grouped_mm_act_args(x_in, b, bias_in, std::string(activation), op, "x");
+  check_plan_maps(dest, row_pair_in, op);
+  check_same_device(x_in, dest, op, "x", "dest");
+  check_size(dest, 0, x_in.size(0), op, "dest", "x.shape[0]");
+  const at::Tensor x = x_in.contiguous(), row_pair = row_pair_in.contiguous();
+  const int64_t E = row_pair.size(0), D = x.size(1), M = b.size(2), k = dest.size(1);
+  check_range_cpu(row_pair, -1, x.size(0) * k, op, "row_pair");
+  const auto start = range_starts(slot_ids, slot_rows, E, b.size(0), op, false);
+  at::Tensor out = empty_output({E, act_gated(act) ? M / 2 : M}, x.options());
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
+  const bool row_major_b = b.stride(2) == 1, col_major_b = b.stride(1) == 1;
+  const int64_t chunk = std::max<int64_t>(8, kGatherTileBytes / ((D + M) * x.element_size()));
+  MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_mm_act", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t* rp = row_pair.data_ptr<int64_t>();
+    run_parts(parts, [&](const Part& p) {
+      const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
+      const at::Tensor w = b.select(0, p.slot);
+      const scalar_t* bp = b.data_ptr<scalar_t>() + p.slot * b.stride(0);
+      for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
+        const int64_t r0 = p.r0 + c0, nr = std::min(chunk, hi - c0);
+        std::vector<scalar_t> own;
+        scalar_t* tile = thread_scratch<scalar_t>(nr * (D + M), own);
+        scalar_t* h = tile + nr * D;
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t pair = rp[r0 + i];
+          scalar_t* t = tile + i * D;
+          if (pair < 0) {
+            std::fill(t, t + D, scalar_t(0));
+          } else {
+            std::copy(xp + (pair / k) * D, xp + (pair / k + 1) * D, t);
+          }
+        }
+        at::Tensor h_t = at::from_blob(h, {nr, M}, x.options());
+        if (nr <= kSmallRows && row_major_b) {
+          small_rows_mm<scalar_t>(tile, D, bp, b.stride(1), h, M, nr, D, M);
+        } else if (nr <= kSmallRows && col_major_b) {
+          small_rows_mm_cols<scalar_t>(tile, D, bp, b.stride(2), h, M, nr, D, M);
+        } else {
+          at::cpu::mm_out(h_t, at::from_blob(tile, {nr, D}, x.options()), w);
+        }
+        if (bias.defined()) h_t.add_(bias.select(0, p.slot));
+        act_forward(act, h_t, out.narrow(0, r0, nr), alpha, limit);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(minagi, CPU, m) {
@@ -514,6 +575,7 @@ TORCH_LIBRARY_IMPL(minagi, CPU, m) {
   m.impl("grouped_mm_act", &grouped_mm_act_cpu);
   m.impl("expert_act_backward", &expert_act_backward_cpu);
   m.impl("scatter_mm_backward", &scatter_mm_backward_cpu);
+  m.impl("gather_mm_act", &gather_mm_act_cpu);
 }
 
 }  // namespace minagi

@@ -299,18 +299,18 @@ class PeakLive(TorchDispatchMode):
         return out
 
 
-def _peak_bytes(experts, impl, args) -> int:
+def _peak_bytes(experts, impl, args, train: bool = True) -> int:
     experts.zero_grad(set_to_none=True)
     if args[0].is_cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        _call(experts, impl, *args, True)
+        _call(experts, impl, *args, train)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     mode = PeakLive()
     with mode:
-        _call(experts, impl, *args, True)
+        _call(experts, impl, *args, train)
     return mode.peak
 
 

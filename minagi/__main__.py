@@ -26,6 +26,8 @@ def doctor() -> int:
         for op in _backend.OP_NAMES + _backend.FUSED_OP_NAMES:
             kernels = [k for k in ("cpu", "cuda") if _backend.has_kernel(op, k)]
             fused = " (fused; the ops above elsewhere)" if op in _backend.FUSED_OP_NAMES else ""
+            if not hasattr(torch.ops.minagi, op):  # a stale build: it runs, without this op's speed
+                kernels, fused = ["not in this build (rebuild: pip install --no-build-isolation -e .)"], ""
             lines.append(f"  minagi::{op:<19} {', '.join(kernels) or 'none'}{fused}")
     gpu = "none visible"
     if torch.cuda.is_available():  # only here, on request: import never touches a device

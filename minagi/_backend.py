@@ -160,4 +160,6 @@ def has_kernel(op: str, device_type: str) -> bool:
     import torch
 
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"minagi::{op}", key)
+    if key is None or not hasattr(torch.ops.minagi, op):  # a build from before the op has no schema for it
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"minagi::{op}", key)

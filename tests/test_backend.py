@@ -1,6 +1,7 @@
 """Loading the extension: forced fallback, required extension, the one-line notice, doctor, bench."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,6 +69,15 @@ def test_doctor():
     assert "torch" in r.stdout and "cpu build" in r.stdout
     if EXT:
         assert "minagi::grouped_mm" in r.stdout and "openmp=" in r.stdout and "openmp=no" not in r.stdout
+        assert re.search(r"minagi::gather_mm_act +cpu \(fused", r.stdout)
+
+
+def test_has_kernel_is_false_for_an_op_the_build_lacks():
+    # A build from before an op was added: asked for it, the backend says no instead of raising.
+    from minagi import _backend
+
+    assert not _backend.has_kernel("no_such_op", "cpu")
+    assert _backend.has_kernel("grouped_mm", "cpu") == EXT
 
 
 def test_bench_dispatch_small(tmp_path):

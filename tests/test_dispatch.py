@@ -317,7 +317,7 @@ def test_inference_gathers_in_tiles_and_equals_the_training_path(monkeypatch, na
     from minagi import dispatch
 
     taken = []
-    real = dispatch._gathers_in_tiles
+    real, real_bytes = dispatch._gathers_in_tiles, dispatch.GATHER_TILE_BYTES
     monkeypatch.setattr(dispatch, "_gathers_in_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
     slot_idx, (x, gates, w_in, w_out) = make(name, torch.float64, requires_grad=False)
     w_in = torch.cat([w_in, w_in.flip(2)], 2) if activation == "swiglu" else w_in
@@ -333,11 +333,19 @@ def test_inference_gathers_in_tiles_and_equals_the_training_path(monkeypatch, na
     monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", 0)  # no tile fits: bucketed_gather and grouped_mm_act
     with torch.no_grad():
         y_buf = run()
+    monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", real_bytes)
+    w_out.requires_grad_()  # only the second layer wants a gradient: the first still goes in tiles
+    y_wout = run()
+    (g_tiles,) = torch.autograd.grad(y_wout.sum(), w_out) if y_wout.numel() else (None,)
+    monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", 0)
+    y_wout_buf = run()
+    (g_buf,) = torch.autograd.grad(y_wout_buf.sum(), w_out) if y_wout_buf.numel() else (None,)
     w_in.requires_grad_()
-    y_train = run()  # a gradient is wanted: the training path, which keeps its buffers
-    assert taken == ([False] * 3 if name == "empty" else [True, False, False])  # no rows: nothing to tile
+    y_train = run()  # the first layer wants a gradient: the training path, which keeps its buffers
+    assert taken == ([False] * 5 if name == "empty" else [True, False, True, False, False])  # no rows: no tiles
     assert_close(y_tiles, y_buf, torch.float64, scale=4)
     assert_close(y_tiles, y_train.detach(), torch.float64, scale=4)
+    assert_close(g_tiles, g_buf, torch.float64, scale=4)
 
 
 def _stored_transposed_run(slot_idx, leaves):

@@ -392,9 +392,19 @@ def test_gather_mm_act_cuts_a_slot_too_wide_for_one_tile():
     # A row of x and h wider than a tile's share: each slot's rows go through in several tiles.
     if not ops.has_fused("gather_mm_act", torch.device("cpu")):
         pytest.skip("no compiled gather_mm_act in this build")
-    args = _gma_problem("uniform", torch.float32, M=70_000)  # ~280 KB a row: 8 rows a tile
-    assert max(args[4]) > 8
+    args = _gma_problem("uniform", torch.float32, M=43_682)  # 174,760 bytes a row: 12 rows a tile
+    assert set(args[4].tolist()) == {16}  # each slot: a tile of 12 rows, then 4 (the few-rows kernel)
     assert_close(ops.compiled().gather_mm_act(*args), REF.gather_mm_act(*args), torch.float32, scale=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_mm_act_weights_with_no_unit_stride(compiled, dtype):
+    x, w, b, *rest = _gma_problem("sink", torch.float64, activation="swiglu", bias=True)
+    w_full = torch.randn(w.shape[0], 2 * w.shape[1], 2 * w.shape[2], dtype=torch.float64) / 4
+    w_view = w_full.to(dtype)[:, ::2, ::2]
+    assert 1 not in w_view.stride()[1:]
+    got = compiled.gather_mm_act(x.to(dtype), w_view, b.to(dtype), *rest)
+    assert_close(got, REF.gather_mm_act(x, w_full[:, ::2, ::2], b, *rest), dtype, scale=4)
 
 
 def test_gather_mm_act_bad_inputs_name_the_argument(compiled):
@@ -410,6 +420,8 @@ def test_gather_mm_act_bad_inputs_name_the_argument(compiled):
         compiled.gather_mm_act(x, w, b[:, :4], order, rows, row_pair, dest, *form)
     with pytest.raises(RuntimeError, match="gather_mm_act: row_pair holds"):
         compiled.gather_mm_act(x, w, b, order, rows, row_pair.clamp(max=0) + 10 ** 6, dest, *form)
+    with pytest.raises(RuntimeError, match="gather_mm_act: slot_rows sums to .* rows but row_pair has"):
+        compiled.gather_mm_act(x, w, b, order, rows, row_pair[:-1], dest, *form)
     with pytest.raises(RuntimeError, match="gather_mm_act: the gated form 'swiglu' needs an even width"):
         compiled.gather_mm_act(x, w[:, :, :11], b[:, :11], order, rows, row_pair, dest, *form)
 

@@ -20,7 +20,8 @@ namespace {
 
 // Validates slot_ids / slot_rows against a [E, ...] and returns each range's first row.
 std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& slot_rows,
-                                  int64_t E, int64_t n_slots, const char* op, bool unique) {
+                                  int64_t E, int64_t n_slots, const char* op, bool unique,
+                                  const char* rows_of = "the input") {
   check_dim(slot_ids, 1, op, "slot_ids");
   check_dim(slot_rows, 1, op, "slot_rows");
   check_index(slot_ids, op, "slot_ids");
@@ -48,7 +49,7 @@ std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& 
     start[i + 1] = start[i] + rp[i];
   }
   TORCH_CHECK(start[A] == E, "minagi.", op, ": slot_rows sums to ", start[A],
-              " rows but the input has ", E, " rows");
+              " rows but ", rows_of, " has ", E, " rows");
   return start;
 }
 
@@ -524,12 +525,12 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
   const at::Tensor x = x_in.contiguous(), row_pair = row_pair_in.contiguous();
   const int64_t E = row_pair.size(0), D = x.size(1), M = b.size(2), k = dest.size(1);
   check_range_cpu(row_pair, -1, x.size(0) * k, op, "row_pair");
-  const auto start = range_starts(slot_ids, slot_rows, E, b.size(0), op, false);
+  const auto start = range_starts(slot_ids, slot_rows, E, b.size(0), op, false, "row_pair");
   at::Tensor out = empty_output({E, act_gated(act) ? M / 2 : M}, x.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
   const bool row_major_b = b.stride(2) == 1, col_major_b = b.stride(1) == 1;
-  const int64_t chunk = std::max<int64_t>(8, kGatherTileBytes / ((D + M) * x.element_size()));
+  const int64_t chunk = std::max<int64_t>(8, kGatherTileBytes / std::max<int64_t>(1, (D + M) * x.element_size()));
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_mm_act", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t* rp = row_pair.data_ptr<int64_t>();

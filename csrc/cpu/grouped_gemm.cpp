@@ -10,6 +10,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -221,22 +225,81 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   return out;
 }
 
+// exp without a call, so that the clamped GPT-OSS form's loops below vectorise (libm's expf is one
+// call per element, and ATen has no kernel for this form): Cephes' range reduction and degree-5
+// polynomial, within a few ulp of expf; inputs past [-87.3, 88] are clamped there (a sigmoid's
+// 0 or 1 to float precision). NaN stays NaN. double keeps std::exp (tests and checks only).
+inline float exp_simd(float x) {
+  x = x > 88.0f ? 88.0f : x;
+  x = x < -87.3365478515625f ? -87.3365478515625f : x;
+  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  const float p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+                   1.6666665459e-1f) * r + 5.0000001201e-1f;
+  fx = fx == fx ? fx : 0.0f;  // NaN: any scale (the polynomial is NaN already)
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return (p * r * r + r + 1.0f) * scale;
+}
+
+// Elements per task of the activation loops when they are shared out over threads.
+constexpr int64_t kActGrain = 16384;
+
+template <typename acc_t>
+inline acc_t sigmoid_simd(acc_t x) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return 1.0f / (1.0f + exp_simd(-x));
+  } else {
+    return acc_t(1) / (acc_t(1) + std::exp(-x));
+  }
+}
+
+// GPT-OSS's clamped form over one row: csrc/activation.h's act_gated_fwd and act_gated_bwd for
+// SwigluOai, written for the vectoriser (gate and up alternate in h).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+MINAGI_SIMD_CLONES void oai_fwd_row(const scalar_t* __restrict h, scalar_t* __restrict o, int64_t W, acc_t alpha,
+                                    acc_t limit) {
+#pragma omp simd
+  for (int64_t j = 0; j < W; ++j) {
+    const acc_t gate = static_cast<acc_t>(h[2 * j]), up = static_cast<acc_t>(h[2 * j + 1]);
+    const acc_t g = gate > limit ? limit : gate;
+    const acc_t u = up > limit ? limit : (up < -limit ? -limit : up);
+    o[j] = static_cast<scalar_t>((u + acc_t(1)) * g * sigmoid_simd(alpha * g));
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+MINAGI_SIMD_CLONES void oai_bwd_row(const scalar_t* __restrict grad, const scalar_t* __restrict h,
+                                    scalar_t* __restrict gh, int64_t W, acc_t alpha, acc_t limit) {
+#pragma omp simd
+  for (int64_t j = 0; j < W; ++j) {
+    const acc_t gate = static_cast<acc_t>(h[2 * j]), up = static_cast<acc_t>(h[2 * j + 1]);
+    const acc_t gr = static_cast<acc_t>(grad[j]);
+    const bool g_in = !(gate > limit), u_in = !(up > limit) && !(up < -limit);
+    const acc_t g = g_in ? gate : limit;
+    const acc_t u = u_in ? up : (up > limit ? limit : -limit);
+    const acc_t sg = sigmoid_simd(alpha * g);
+    const acc_t glu = g * sg;
+    gh[2 * j] = static_cast<scalar_t>(g_in ? gr * (u + acc_t(1)) * (sg + alpha * glu * (acc_t(1) - sg)) : acc_t(0));
+    gh[2 * j + 1] = static_cast<scalar_t>(u_in ? gr * glu : acc_t(0));
+  }
+}
+
 // The activation of h's rows into out's, through ATen's vectorised kernels (run on one thread
 // inside a part: the parts are the parallelism). GPT-OSS's clamped form, with no ATen kernel of its
-// own, takes csrc/activation.h's scalar code.
+// own, takes the loops above.
 template <typename scalar_t>
 void oai_rows(const at::Tensor& h, at::Tensor& out, double alpha, double limit) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t W = out.size(1);
-  for (int64_t r = 0; r < h.size(0); ++r) {
-    const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
-    scalar_t* o = out.data_ptr<scalar_t>() + r * out.stride(0);
-    for (int64_t j = 0; j < W; ++j) {
-      o[j] = static_cast<scalar_t>(act_gated_fwd<acc_t>(Act::SwigluOai, static_cast<acc_t>(hr[2 * j]),
-                                                        static_cast<acc_t>(hr[2 * j + 1]), static_cast<acc_t>(alpha),
-                                                        static_cast<acc_t>(limit)));
+  // Inside a part (a parallel region) this runs inline, on the part's thread.
+  at::parallel_for(0, h.size(0), std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      oai_fwd_row<scalar_t>(h.data_ptr<scalar_t>() + r * h.stride(0), out.data_ptr<scalar_t>() + r * out.stride(0), W,
+                            static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
     }
-  }
+  });
 }
 
 // gate and up of a gated form's h rows (views: halves, or alternate columns).
@@ -289,18 +352,15 @@ template <typename scalar_t>
 void oai_backward_rows(const at::Tensor& grad, const at::Tensor& h, at::Tensor& gh, double alpha, double limit) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t W = grad.size(1);
-  for (int64_t r = 0; r < h.size(0); ++r) {
-    const scalar_t* gr = grad.data_ptr<scalar_t>() + r * grad.stride(0);
-    const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
-    scalar_t* o = gh.data_ptr<scalar_t>() + r * gh.stride(0);
-    for (int64_t j = 0; j < W; ++j) {
-      acc_t dg, du;
-      act_gated_bwd<acc_t>(Act::SwigluOai, static_cast<acc_t>(hr[2 * j]), static_cast<acc_t>(hr[2 * j + 1]),
-                           static_cast<acc_t>(alpha), static_cast<acc_t>(limit), static_cast<acc_t>(gr[j]), &dg, &du);
-      o[2 * j] = static_cast<scalar_t>(dg);
-      o[2 * j + 1] = static_cast<scalar_t>(du);
+  // The whole [E, 2H] at once (no bias gradient) is shared out over the threads, as ATen's own
+  // elementwise kernels are; per slot (inside a parallel region) it runs inline.
+  at::parallel_for(0, h.size(0), std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      oai_bwd_row<scalar_t>(grad.data_ptr<scalar_t>() + r * grad.stride(0), h.data_ptr<scalar_t>() + r * h.stride(0),
+                            gh.data_ptr<scalar_t>() + r * gh.stride(0), W, static_cast<acc_t>(alpha),
+                            static_cast<acc_t>(limit));
     }
-  }
+  });
 }
 
 // h's gradient from the activation's output gradient, for some rows (ATen's kernels as above).

@@ -184,6 +184,22 @@ MINAGI_SIMD_CLONES void small_rows_mm_cols(const scalar_t* __restrict a, int64_t
   }
 }
 
+// out[nr, M] (rows M apart) = a[nr, K] (rows K apart) times slot `slot` of b ([S, K, M], any
+// strides): a few rows through the streaming kernels above, more through ATen's mm (the BLAS).
+template <typename scalar_t>
+void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out, int64_t nr) {
+  const int64_t K = b.size(1), M = b.size(2);
+  const scalar_t* bp = b.data_ptr<scalar_t>() + slot * b.stride(0);
+  if (nr <= kSmallRows && b.stride(2) == 1) {
+    small_rows_mm<scalar_t>(a, K, bp, b.stride(1), out, M, nr, K, M);
+  } else if (nr <= kSmallRows && b.stride(1) == 1) {
+    small_rows_mm_cols<scalar_t>(a, K, bp, b.stride(2), out, M, nr, K, M);
+  } else {
+    at::Tensor o = at::from_blob(out, {nr, M}, b.options());
+    at::cpu::mm_out(o, at::from_blob(const_cast<scalar_t*>(a), {nr, K}, b.options()), b.select(0, slot));
+  }
+}
+
 // out = a's row ranges times their slots' weights (b read in place, any strides), one part at a
 // time; epilogue(slot, row0, rows) runs right after each part's GEMM on the same thread, while
 // the part's output rows are still in cache.
@@ -192,26 +208,14 @@ void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
                      const std::vector<int64_t>& start, at::Tensor& out, Epilogue&& epilogue) {
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
   const int64_t K = a.size(1), M = b.size(2);
-  const bool row_major_b = b.stride(2) == 1, col_major_b = b.stride(1) == 1;
-  run_parts(parts, [&](const Part& p) {
-    const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
-    if (hi <= lo) return;
-    if (hi - lo <= kSmallRows && (row_major_b || col_major_b)) {
-      MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm", [&] {
-        const scalar_t* ap = a.data_ptr<scalar_t>() + (p.r0 + lo) * K;
-        const scalar_t* bp = b.data_ptr<scalar_t>() + p.slot * b.stride(0);
-        scalar_t* op = out.data_ptr<scalar_t>() + (p.r0 + lo) * M;
-        if (row_major_b) {
-          small_rows_mm<scalar_t>(ap, K, bp, b.stride(1), op, M, hi - lo, K, M);
-        } else {
-          small_rows_mm_cols<scalar_t>(ap, K, bp, b.stride(2), op, M, hi - lo, K, M);
-        }
-      });
-    } else {
-      at::Tensor o = out.narrow(0, p.r0 + lo, hi - lo);
-      at::cpu::mm_out(o, a.narrow(0, p.r0 + lo, hi - lo), b.select(0, p.slot));
-    }
-    epilogue(p.slot, p.r0 + lo, hi - lo);
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm", [&] {
+    run_parts(parts, [&](const Part& p) {
+      const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
+      if (hi <= lo) return;
+      slot_mm<scalar_t>(a.data_ptr<scalar_t>() + (p.r0 + lo) * K, b, p.slot,
+                        out.data_ptr<scalar_t>() + (p.r0 + lo) * M, hi - lo);
+      epilogue(p.slot, p.r0 + lo, hi - lo);
+    });
   });
 }
 
@@ -450,6 +454,22 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
   return out;
 }
 
+// nr rows of D into tile: for each, the row of src (one row per character) of its pair's character,
+// or zeros for a padding row (pair < 0). k pairs per character.
+template <typename scalar_t>
+void gather_pair_rows(scalar_t* tile, const scalar_t* src, const int64_t* row_pair, int64_t nr, int64_t k,
+                      int64_t D) {
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t pair = row_pair[i];
+    scalar_t* t = tile + i * D;
+    if (pair < 0) {
+      std::fill(t, t + D, scalar_t(0));
+    } else {
+      std::copy(src + (pair / k) * D, src + (pair / k + 1) * D, t);
+    }
+  }
+}
+
 // n elements of scratch for this thread, kept for its next call: a fresh block of a tile's size
 // (hundreds of KiB) would be mapped and faulted in page by page for every slot. Past kMaxKept
 // bytes the caller's own (freed) buffer is used instead, so a thread holds at most that much.
@@ -541,15 +561,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
       }
       std::vector<scalar_t> own;
       scalar_t* tile = thread_scratch<scalar_t>(p.nr * D, own);
-      for (int64_t i = 0; i < p.nr; ++i) {  // each row's character's grad_y (zeros for padding)
-        const int64_t pair = rp[p.r0 + i];
-        scalar_t* t = tile + i * D;
-        if (pair < 0) {
-          std::fill(t, t + D, scalar_t(0));
-        } else {
-          std::copy(gy + (pair / k) * D, gy + (pair / k + 1) * D, t);
-        }
-      }
+      gather_pair_rows(tile, gy, rp + p.r0, p.nr, k, D);  // each row's character's grad_y
       const at::Tensor tile_t = at::from_blob(tile, {p.nr, D}, a.options());
       at::Tensor g_rows = grad_a.narrow(0, p.r0, p.nr);
       at::cpu::mm_out(g_rows, tile_t, b.select(0, p.slot).t());  // grad_y b^T: [nr, I]
@@ -589,37 +601,20 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
   at::Tensor out = empty_output({E, act_gated(act) ? M / 2 : M}, x.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
-  const bool row_major_b = b.stride(2) == 1, col_major_b = b.stride(1) == 1;
   const int64_t chunk = std::max<int64_t>(8, kGatherTileBytes / std::max<int64_t>(1, (D + M) * x.element_size()));
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_mm_act", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t* rp = row_pair.data_ptr<int64_t>();
     run_parts(parts, [&](const Part& p) {
       const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
-      const at::Tensor w = b.select(0, p.slot);
-      const scalar_t* bp = b.data_ptr<scalar_t>() + p.slot * b.stride(0);
       for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
         const int64_t r0 = p.r0 + c0, nr = std::min(chunk, hi - c0);
         std::vector<scalar_t> own;
         scalar_t* tile = thread_scratch<scalar_t>(nr * (D + M), own);
         scalar_t* h = tile + nr * D;
-        for (int64_t i = 0; i < nr; ++i) {
-          const int64_t pair = rp[r0 + i];
-          scalar_t* t = tile + i * D;
-          if (pair < 0) {
-            std::fill(t, t + D, scalar_t(0));
-          } else {
-            std::copy(xp + (pair / k) * D, xp + (pair / k + 1) * D, t);
-          }
-        }
+        gather_pair_rows(tile, xp, rp + r0, nr, k, D);
+        slot_mm<scalar_t>(tile, b, p.slot, h, nr);
         at::Tensor h_t = at::from_blob(h, {nr, M}, x.options());
-        if (nr <= kSmallRows && row_major_b) {
-          small_rows_mm<scalar_t>(tile, D, bp, b.stride(1), h, M, nr, D, M);
-        } else if (nr <= kSmallRows && col_major_b) {
-          small_rows_mm_cols<scalar_t>(tile, D, bp, b.stride(2), h, M, nr, D, M);
-        } else {
-          at::cpu::mm_out(h_t, at::from_blob(tile, {nr, D}, x.options()), w);
-        }
         if (bias.defined()) h_t.add_(bias.select(0, p.slot));
         act_forward(act, h_t, out.narrow(0, r0, nr), alpha, limit);
       }

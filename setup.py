@@ -57,7 +57,10 @@ def _extensions():
     from torch.utils import cpp_extension
 
     omp_compile, omp_link = _openmp_flags()
-    cxx = (["/O2", "/std:c++17"] if sys.platform == "win32" else ["-O3"]) + omp_compile
+    # -fno-trapping-math: no floating-point trap is ever enabled here, and without it GCC will not
+    # vectorise a loop whose float compares it would have to if-convert (GPT-OSS's clamps ran
+    # scalar, 12 ns an element). Values are unchanged: NaN and infinities keep IEEE semantics.
+    cxx = (["/O2", "/std:c++17"] if sys.platform == "win32" else ["-O3", "-fno-trapping-math"]) + omp_compile
     sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
     flavour = _gpu_flavour(torch, cpp_extension)
     print(f"minagi setup: torch {torch.__version__}, GPU build: {flavour or 'none'}")

@@ -2,7 +2,9 @@
 one torch.bmm over the experts (the floor's call), ATen's mm once per expert (what minagi's CPU kernels
 make: in bfloat16 each goes to oneDNN), with each expert's rows uneven (as routing makes them), and
 MKL's cblas_gemm_bf16bf16f32 (exported by torch's x86 libtorch_cpu) once per expert into a float32
-tile, then copied to bfloat16. float32's bmm and mm beside them.
+tile, then copied to bfloat16, and minagi's grouped_mm over the same uneven rows (in bfloat16, on a
+CPU with AVX512-BF16, its own kernel: csrc/cpu/bf16_gemm.h), with the weights as stored and as the
+.mT view of [experts, M, K] (how nn.Linear-style experts come in). float32's bmm and mm beside them.
 
     python tools/bf16_gemm_probe.py
 
@@ -41,6 +43,11 @@ def mkl_bf16():
 def main() -> None:
     torch.set_num_threads(1)
     mkl = mkl_bf16()
+    try:
+        import minagi.ops  # noqa: F401  (registers torch.ops.minagi)
+        ops = torch.ops.minagi if hasattr(torch.ops.minagi, "grouped_mm") else None
+    except (ImportError, RuntimeError):
+        ops = None
     for S, rows, K, M in SHAPES:
         line = [f"{S} experts x {rows} rows, [{K}, {M}]:"]
         for dt in (torch.float32, torch.bfloat16):
@@ -52,6 +59,12 @@ def main() -> None:
             mm = median_ms(lambda: [torch.mm(a[i], b[i], out=out[i]) for i in range(S)])
             mm_uneven = median_ms(lambda: [torch.mm(uneven[i], b[i], out=outs[i]) for i in range(S)])
             line.append(f"{str(dt)[6:]} bmm {bmm:.1f} ms, mm per expert {mm:.1f}, uneven rows {mm_uneven:.1f};")
+            if dt == torch.bfloat16 and ops is not None:
+                a_cat, rows_s = torch.cat(uneven), torch.tensor([u.shape[0] for u in uneven])
+                ids, b_t = torch.arange(S), b.mT.contiguous().mT  # the same values, each expert [M, K]
+                mine = median_ms(lambda: ops.grouped_mm(a_cat, b, ids, rows_s))
+                mine_t = median_ms(lambda: ops.grouped_mm(a_cat, b_t, ids, rows_s))
+                line.append(f"minagi grouped_mm, uneven rows {mine:.1f} (weights .mT {mine_t:.1f});")
             if dt == torch.bfloat16 and mkl is not None:
                 acc = torch.empty(rows, M)
 

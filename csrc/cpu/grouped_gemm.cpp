@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "bf16_gemm.h"
 
 namespace minagi {
 namespace {
@@ -184,6 +185,53 @@ MINAGI_SIMD_CLONES void small_rows_mm_cols(const scalar_t* __restrict a, int64_t
   }
 }
 
+// n elements of scratch for this thread, kept for its next call: a fresh block of a tile's size
+// (hundreds of KiB) would be mapped and faulted in page by page for every slot. Past kMaxKept
+// bytes the caller's own (freed) buffer is used instead, so a thread holds at most that much.
+constexpr size_t kMaxKept = size_t{4} << 20;
+
+template <typename T>
+T* thread_scratch(int64_t n, std::vector<T>& own) {
+  thread_local std::vector<T> kept;
+  std::vector<T>& buf = static_cast<size_t>(n) * sizeof(T) <= kMaxKept ? kept : own;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// bf16_dot_gemm (csrc/cpu/bf16_gemm.h) with this thread's packing scratch; only reached for bfloat16
+// where bf16_dot_available().
+template <typename scalar_t>
+void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
+                  int64_t ldo, int64_t nr, int64_t K, int64_t M) {
+#ifdef MINAGI_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    std::vector<uint16_t> own;
+    uint16_t* scratch = thread_scratch<uint16_t>(bf16_dot::block_elems(K), own);
+    bf16_dot_gemm(reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), sk, sn,
+                  reinterpret_cast<uint16_t*>(out), ldo, nr, K, M, scratch);
+    return;
+  }
+#endif
+  TORCH_INTERNAL_ASSERT(false, "bf16_slot_mm without AVX512-BF16");
+}
+
+// out = x^T y, the sum over their rows (x [nr, M], y [nr, N], out [M, N]: views with unit column
+// stride or any strides): a weight gradient's GEMM. bfloat16 takes bf16_dot_wgrad where it can.
+void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
+#ifdef MINAGI_BF16_DOT
+  if (out.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && y.stride(1) == 1 && out.stride(1) == 1 &&
+      bf16_dot_available()) {
+    const int64_t nr = x.size(0), M = x.size(1), N = y.size(1);
+    std::vector<uint16_t> own;
+    uint16_t* scratch = thread_scratch<uint16_t>(bf16_dot_wgrad_scratch(nr, N), own);
+    bf16_dot_wgrad(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint16_t*>(y.data_ptr()),
+                   y.stride(0), static_cast<uint16_t*>(out.data_ptr()), out.stride(0), nr, M, N, scratch);
+    return;
+  }
+#endif
+  at::cpu::mm_out(out, x.t(), y);
+}
+
 // out[nr, M] (rows M apart) = a[nr, K] (rows K apart) times slot `slot` of b ([S, K, M], any
 // strides): a few rows through the streaming kernels above, more through ATen's mm (the BLAS).
 template <typename scalar_t>
@@ -194,6 +242,9 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
     small_rows_mm<scalar_t>(a, K, bp, b.stride(1), out, M, nr, K, M);
   } else if (nr <= kSmallRows && b.stride(1) == 1) {
     small_rows_mm_cols<scalar_t>(a, K, bp, b.stride(2), out, M, nr, K, M);
+  } else if (std::is_same_v<scalar_t, at::BFloat16> && (b.stride(1) == 1 || b.stride(2) == 1) &&
+             bf16_dot_available()) {
+    bf16_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
   } else {
     at::Tensor o = at::from_blob(out, {nr, M}, b.options());
     at::cpu::mm_out(o, at::from_blob(const_cast<scalar_t*>(a), {nr, K}, b.options()), b.select(0, slot));
@@ -290,6 +341,52 @@ MINAGI_SIMD_CLONES void oai_bwd_row(const scalar_t* __restrict grad, const scala
   }
 }
 
+// bfloat16 <-> float32 as bit operations the vectoriser takes (c10::BFloat16's own conversions,
+// through a struct, kept the bfloat16 activation loops scalar): widening is exact, narrowing rounds
+// to nearest even with NaN kept NaN, as c10::BFloat16 does.
+MINAGI_SIMD_CLONES void bf16_to_float(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(y + i, &bits, sizeof(float));
+  }
+}
+
+MINAGI_SIMD_CLONES void float_to_bf16(const float* __restrict y, uint16_t* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, y + i, sizeof(u));
+    const uint16_t v = static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
+    x[i] = y[i] != y[i] ? uint16_t{0x7FC0} : v;
+  }
+}
+
+// The clamped form's rows in bfloat16: chunks widened to float32, the float32 loops, narrowed back.
+constexpr int64_t kActChunk = 256;  // outputs per chunk: a few KiB on the stack
+
+void oai_fwd_row_bf16(const at::BFloat16* h, at::BFloat16* o, int64_t W, float alpha, float limit) {
+  alignas(64) float hf[2 * kActChunk], of[kActChunk];
+  for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
+    const int64_t n = std::min(kActChunk, W - j0);
+    bf16_to_float(reinterpret_cast<const uint16_t*>(h) + 2 * j0, hf, 2 * n);
+    oai_fwd_row<float>(hf, of, n, alpha, limit);
+    float_to_bf16(of, reinterpret_cast<uint16_t*>(o) + j0, n);
+  }
+}
+
+void oai_bwd_row_bf16(const at::BFloat16* grad, const at::BFloat16* h, at::BFloat16* gh, int64_t W, float alpha,
+                      float limit) {
+  alignas(64) float gf[kActChunk], hf[2 * kActChunk], ghf[2 * kActChunk];
+  for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
+    const int64_t n = std::min(kActChunk, W - j0);
+    bf16_to_float(reinterpret_cast<const uint16_t*>(grad) + j0, gf, n);
+    bf16_to_float(reinterpret_cast<const uint16_t*>(h) + 2 * j0, hf, 2 * n);
+    oai_bwd_row<float>(gf, hf, ghf, n, alpha, limit);
+    float_to_bf16(ghf, reinterpret_cast<uint16_t*>(gh) + 2 * j0, 2 * n);
+  }
+}
+
 // The activation of h's rows into out's, through ATen's vectorised kernels (run on one thread
 // inside a part: the parts are the parallelism). GPT-OSS's clamped form, with no ATen kernel of its
 // own, takes the loops above.
@@ -300,8 +397,13 @@ void oai_rows(const at::Tensor& h, at::Tensor& out, double alpha, double limit) 
   // Inside a part (a parallel region) this runs inline, on the part's thread.
   at::parallel_for(0, h.size(0), std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      oai_fwd_row<scalar_t>(h.data_ptr<scalar_t>() + r * h.stride(0), out.data_ptr<scalar_t>() + r * out.stride(0), W,
-                            static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
+      const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
+      scalar_t* o = out.data_ptr<scalar_t>() + r * out.stride(0);
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        oai_fwd_row_bf16(hr, o, W, static_cast<float>(alpha), static_cast<float>(limit));
+      } else {
+        oai_fwd_row<scalar_t>(hr, o, W, static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
+      }
     }
   });
 }
@@ -360,9 +462,14 @@ void oai_backward_rows(const at::Tensor& grad, const at::Tensor& h, at::Tensor& 
   // elementwise kernels are; per slot (inside a parallel region) it runs inline.
   at::parallel_for(0, h.size(0), std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      oai_bwd_row<scalar_t>(grad.data_ptr<scalar_t>() + r * grad.stride(0), h.data_ptr<scalar_t>() + r * h.stride(0),
-                            gh.data_ptr<scalar_t>() + r * gh.stride(0), W, static_cast<acc_t>(alpha),
-                            static_cast<acc_t>(limit));
+      const scalar_t* gr = grad.data_ptr<scalar_t>() + r * grad.stride(0);
+      const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
+      scalar_t* g = gh.data_ptr<scalar_t>() + r * gh.stride(0);
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        oai_bwd_row_bf16(gr, hr, g, W, static_cast<float>(alpha), static_cast<float>(limit));
+      } else {
+        oai_bwd_row<scalar_t>(gr, hr, g, W, static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
+      }
     }
   });
 }
@@ -449,7 +556,7 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
       o.zero_();
       return;
     }
-    at::cpu::mm_out(o, a.narrow(0, p.r0, p.nr).t(), grad.narrow(0, p.r0, p.nr).narrow(1, lo, hi - lo));
+    wgrad_mm(o, a.narrow(0, p.r0, p.nr), grad.narrow(0, p.r0, p.nr).narrow(1, lo, hi - lo));
   });
   return out;
 }
@@ -468,19 +575,6 @@ void gather_pair_rows(scalar_t* tile, const scalar_t* src, const int64_t* row_pa
       std::copy(src + (pair / k) * D, src + (pair / k + 1) * D, t);
     }
   }
-}
-
-// n elements of scratch for this thread, kept for its next call: a fresh block of a tile's size
-// (hundreds of KiB) would be mapped and faulted in page by page for every slot. Past kMaxKept
-// bytes the caller's own (freed) buffer is used instead, so a thread holds at most that much.
-constexpr size_t kMaxKept = size_t{4} << 20;
-
-template <typename T>
-T* thread_scratch(int64_t n, std::vector<T>& own) {
-  thread_local std::vector<T> kept;
-  std::vector<T>& buf = static_cast<size_t>(n) * sizeof(T) <= kMaxKept ? kept : own;
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
 }
 
 // For each of nr rows holding a pair (row_pair >= 0; a padding row's gradient is zero already):
@@ -547,6 +641,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
     if (!owned[s]) parts.push_back({s, 0, 0, 0, 1});
   }
   std::stable_sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.nr > y.nr; });
+  const at::Tensor b_t = b.transpose(1, 2);  // [S, D, I]
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_scatter_mm_backward", [&] {
     const scalar_t* gy = grad_y.data_ptr<scalar_t>();
     const scalar_t* ap = a.data_ptr<scalar_t>();
@@ -563,16 +658,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
       scalar_t* tile = thread_scratch<scalar_t>(p.nr * D, own);
       gather_pair_rows(tile, gy, rp + p.r0, p.nr, k, D);  // each row's character's grad_y
       const at::Tensor tile_t = at::from_blob(tile, {p.nr, D}, a.options());
-      at::Tensor g_rows = grad_a.narrow(0, p.r0, p.nr);
-      at::cpu::mm_out(g_rows, tile_t, b.select(0, p.slot).t());  // grad_y b^T: [nr, I]
+      slot_mm<scalar_t>(tile, b_t, p.slot, ga + p.r0 * I, p.nr);  // grad_y b^T: [nr, I]
       gate_rows<scalar_t>(ga + p.r0 * I, ap + p.r0 * I, b_grad ? tile : nullptr, rp + p.r0, gp, gg, p.nr, I, D);
       if (b_grad == 0) return;
       at::Tensor o = grad_b.select(0, p.slot);
       const at::Tensor a_rows = a.narrow(0, p.r0, p.nr);
       if (b_grad == 1) {
-        at::cpu::mm_out(o, a_rows.t(), tile_t);  // [I, nr] x [nr, D]
+        wgrad_mm(o, a_rows, tile_t);  // [I, nr] x [nr, D]
       } else {
-        at::cpu::mm_out(o, tile_t.t(), a_rows);  // [D, nr] x [nr, I]
+        wgrad_mm(o, tile_t, a_rows);  // [D, nr] x [nr, I]
       }
     });
   });

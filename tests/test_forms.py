@@ -343,24 +343,27 @@ def test_second_derivatives_through_expert_mlp_reach_every_input(path, act):
 
 @requires_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_oai_kernel_across_the_float_range_and_at_its_clamps(dtype):
+@pytest.mark.parametrize("width", [50, 500])
+def test_swiglu_oai_kernel_across_the_float_range_and_at_its_clamps(dtype, width):
     # The CPU kernel's sigmoid runs on its own exp (a polynomial the loops vectorise): against the
     # twin from -300 to 300, exactly at +-limit, past exp's range, and NaN (a row of its own: a NaN
-    # input spreads over its row through the GEMM).
+    # input spreads over its row through the GEMM). bfloat16 rows go through float32 in chunks of
+    # 256 outputs: 500 wide is one whole chunk and a part.
     from minagi import ops
     from minagi.reference import expert_act_backward
 
     compiled, alpha, limit = ops.compiled(), 1.702, 7.0
     gate = torch.cat([torch.linspace(-300, 300, 994), torch.tensor([limit, -limit, 0.0, 60.0, -60.0, -100.0])])
     up = torch.cat([torch.linspace(40, -40, 994), torch.tensor([limit, -limit, 1.0, -limit - 1, limit + 1, 2.0])])
-    h = torch.stack([gate, up], 1).reshape(-1, 2 * 50)  # [20, 100]: gate and up interleaved, GPT-OSS's layout
-    h = torch.cat([h, torch.full((1, 100), float("nan"))]).to(dtype)
+    h = torch.stack([gate, up], 1).reshape(-1, 2 * width)  # gate and up interleaved, GPT-OSS's layout
+    h = torch.cat([h, torch.full((1, 2 * width), float("nan"))]).to(dtype)
     one = (torch.tensor([0]), torch.tensor([h.shape[0]]))
-    got = compiled.grouped_mm_act(h, torch.eye(100, dtype=dtype)[None], None, *one, "swiglu_oai", alpha, limit)[1]
+    eye = torch.eye(2 * width, dtype=dtype)[None]
+    got = compiled.grouped_mm_act(h, eye, None, *one, "swiglu_oai", alpha, limit)[1]
     want = activate(h.double(), "swiglu_oai", alpha, limit)
     assert got[-1].isnan().all()
     assert_close(got[:-1], want[:-1], dtype)
-    grad = torch.randn(h.shape[0], 50).to(dtype)
+    grad = torch.randn(h.shape[0], width).to(dtype)
     g_got, _ = compiled.expert_act_backward(grad, h, *one, "swiglu_oai", alpha, limit, 1, False)
     g_want, _ = expert_act_backward(grad.double(), h.double(), *one, "swiglu_oai", alpha, limit, 1, False)
     assert g_got[-1].isnan().all()

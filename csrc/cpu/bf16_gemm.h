@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(_WIN32)
+// GCC 11 and clang 12 know both the avx512bf16 target and its CPUID name.
+#if defined(__x86_64__) && !defined(_WIN32) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define MINAGI_BF16_DOT 1
 #include <immintrin.h>
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* values.
@@ -23,10 +25,18 @@
 
 namespace minagi {
 
+// The kernels do not block over the inner dimension: a packed column block is re-read for every 8
+// rows, so past this inner size (256 KiB a block) it would leave the L2 cache; ATen's mm (oneDNN,
+// which blocks) is taken there, its set-up cost small beside such a product. A weight gradient
+// packs its whole right operand, so it is also bounded by kBf16DotMaxScratch bytes.
+constexpr int64_t kBf16DotMaxInner = 4096;
+constexpr int64_t kBf16DotMaxScratch = int64_t{16} << 20;
+
 #ifdef MINAGI_BF16_DOT
 
 inline bool bf16_dot_available() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("avx512bf16");
   return ok;
 }
@@ -40,6 +50,7 @@ constexpr int64_t kRows = 8;   // rows per micro-tile: 16 accumulators
 
 // One column block's weights for K pairs: the scratch a thread needs (bf16 elements).
 inline int64_t block_elems(int64_t K) { return ((K + 1) / 2) * kCols * 2; }
+
 inline int64_t ceil_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
 
 // r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows were r[0..15].
@@ -89,8 +100,11 @@ MINAGI_BF16_TARGET inline void pack_block(const uint16_t* b, int64_t sk, int64_t
         transpose16(r);
         for (int64_t j = 0; j < q; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (p0 + j) * kCols + h), r[j]);
       }
-      if (K & 1) {
-        for (int64_t i = 0; i < 16; ++i) dst[full * kCols + h + i] = i < m ? b[(n0 + h + i) * sn + (K - 1)] : 0;
+      if (K & 1) {  // the last value, paired with zero
+        for (int64_t i = 0; i < 16; ++i) {
+          out[(full * kCols + h + i) * 2] = i < m ? b[(n0 + h + i) * sn + (K - 1)] : 0;
+          out[(full * kCols + h + i) * 2 + 1] = 0;
+        }
       }
     }
     return;
@@ -141,7 +155,7 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
     }
   }
   const __mmask32 mask = nn >= kCols ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << nn) - 1);
-  for (int r = 0; r < R; ++r) {  // round to nearest even, as c10::BFloat16 does
+  for (int r = 0; r < R; ++r) {  // round to nearest even (denormals flush to zero, as in vdpbf16ps itself)
     _mm512_mask_storeu_epi16(out + r * ldo, mask, (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
   }
 }

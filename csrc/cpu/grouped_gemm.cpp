@@ -219,8 +219,9 @@ void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk,
 // stride or any strides): a weight gradient's GEMM. bfloat16 takes bf16_dot_wgrad where it can.
 void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
 #ifdef MINAGI_BF16_DOT
-  if (out.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && y.stride(1) == 1 && out.stride(1) == 1 &&
-      bf16_dot_available()) {
+  if (out.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
+      x.stride(1) == 1 && y.stride(1) == 1 && out.stride(1) == 1 && x.size(0) <= kBf16DotMaxInner &&
+      bf16_dot_wgrad_scratch(x.size(0), y.size(1)) * 2 <= kBf16DotMaxScratch && bf16_dot_available()) {
     const int64_t nr = x.size(0), M = x.size(1), N = y.size(1);
     std::vector<uint16_t> own;
     uint16_t* scratch = thread_scratch<uint16_t>(bf16_dot_wgrad_scratch(nr, N), own);
@@ -243,7 +244,7 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
   } else if (nr <= kSmallRows && b.stride(1) == 1) {
     small_rows_mm_cols<scalar_t>(a, K, bp, b.stride(2), out, M, nr, K, M);
   } else if (std::is_same_v<scalar_t, at::BFloat16> && (b.stride(1) == 1 || b.stride(2) == 1) &&
-             bf16_dot_available()) {
+             K <= kBf16DotMaxInner && bf16_dot_available()) {
     bf16_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
   } else {
     at::Tensor o = at::from_blob(out, {nr, M}, b.options());

@@ -158,7 +158,10 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoint_loads_in
     ok(torchrun("--quiet", *ARGS, *ep, "--set", "train.batch=2", "--set", "train.expert_parallel=2", "--out",
                 str(ranks), "--resume"))  # at the same world size
     ok(_cli(*ARGS, *ep, "--set", "train.batch=4", "--out", str(one)))
-    assert_same_weights(one, ranks, rel=1e-5)
+    # 2e-5: pool.w_in's float noise, magnified by AdamW's first steps, read 3.0e-6 and (with the
+    # CPU's own SwiGLU backward, bit for bit the same on either side) 9.1e-6 of 7.7e-6 at 1e-5;
+    # a wrong expert or gradient is off by orders more.
+    assert_same_weights(one, ranks, rel=2e-5)
     assert len(list(ranks.glob("experts-*"))) == 1  # the step-6 folder pruned after step 8's save
     w = ok(plain("write", str(ranks), "--prompt", "def ", "--chars", "10"))
     assert w.stdout.startswith("def ")

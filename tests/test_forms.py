@@ -344,11 +344,13 @@ def test_second_derivatives_through_expert_mlp_reach_every_input(path, act):
 @requires_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [50, 500])
-def test_swiglu_oai_kernel_across_the_float_range_and_at_its_clamps(dtype, width):
-    # The CPU kernel's sigmoid runs on its own exp (a polynomial the loops vectorise): against the
-    # twin from -300 to 300, exactly at +-limit, past exp's range, and NaN (a row of its own: a NaN
-    # input spreads over its row through the GEMM). bfloat16 rows go through float32 in chunks of
-    # 256 outputs: 500 wide is one whole chunk and a part.
+@pytest.mark.parametrize("act", ["swiglu_oai", "swiglu_interleaved"])
+def test_interleaved_kernels_across_the_float_range_and_at_the_clamps(dtype, width, act):
+    # The CPU's own loops for the interleaved forms (GPT-OSS's clamped one, and plain SwiGLU) take
+    # the sigmoid from their own exp (a polynomial the loops vectorise): against the twin from -300
+    # to 300, exactly at +-limit, past exp's range, and NaN (a row of its own: a NaN input spreads
+    # over its row through the GEMM). bfloat16 rows go through float32 in chunks of 256 outputs: 500
+    # wide is one whole chunk and a part.
     from minagi import ops
     from minagi.reference import expert_act_backward
 
@@ -359,12 +361,12 @@ def test_swiglu_oai_kernel_across_the_float_range_and_at_its_clamps(dtype, width
     h = torch.cat([h, torch.full((1, 2 * width), float("nan"))]).to(dtype)
     one = (torch.tensor([0]), torch.tensor([h.shape[0]]))
     eye = torch.eye(2 * width, dtype=dtype)[None]
-    got = compiled.grouped_mm_act(h, eye, None, *one, "swiglu_oai", alpha, limit)[1]
-    want = activate(h.double(), "swiglu_oai", alpha, limit)
+    got = compiled.grouped_mm_act(h, eye, None, *one, act, alpha, limit)[1]
+    want = activate(h.double(), act, alpha, limit)
     assert got[-1].isnan().all()
     assert_close(got[:-1], want[:-1], dtype)
     grad = torch.randn(h.shape[0], width).to(dtype)
-    g_got, _ = compiled.expert_act_backward(grad, h, *one, "swiglu_oai", alpha, limit, 1, False)
-    g_want, _ = expert_act_backward(grad.double(), h.double(), *one, "swiglu_oai", alpha, limit, 1, False)
+    g_got, _ = compiled.expert_act_backward(grad, h, *one, act, alpha, limit, 1, False)
+    g_want, _ = expert_act_backward(grad.double(), h.double(), *one, act, alpha, limit, 1, False)
     assert g_got[-1].isnan().all()
     assert_close(g_got[:-1], g_want[:-1], dtype)

@@ -8,17 +8,8 @@ and the backward (expert_act_backward) alone.
 Needs the compiled extension. Nothing else may run beside it.
 """
 import argparse
-import time
 
-
-def median_ms(fn, n: int = 7) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[n // 2] * 1e3
+from bf16_gemm_probe import median_ms  # tools/ is sys.path[0] when run as a script
 
 
 def main(argv=None) -> int:

@@ -367,27 +367,30 @@ MINAGI_SIMD_CLONES void float_to_bf16(const float* __restrict y, uint16_t* __res
   }
 }
 
-// The clamped form's rows in bfloat16: chunks widened to float32, the float32 loops, narrowed back.
+// An interleaved form's bfloat16 row (h [2W], gate and up alternating) through its float32 loop:
+// chunks widened to float32, row_fn(hf, of, n) or, backward, row_fn(gf, hf, ghf, n), narrowed back.
 constexpr int64_t kActChunk = 256;  // outputs per chunk: a few KiB on the stack
 
-void oai_fwd_row_bf16(const at::BFloat16* h, at::BFloat16* o, int64_t W, float alpha, float limit) {
+template <typename RowFn>
+void interleaved_fwd_bf16(const at::BFloat16* h, at::BFloat16* o, int64_t W, RowFn&& row_fn) {
   alignas(64) float hf[2 * kActChunk], of[kActChunk];
   for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
     const int64_t n = std::min(kActChunk, W - j0);
     bf16_to_float(reinterpret_cast<const uint16_t*>(h) + 2 * j0, hf, 2 * n);
-    oai_fwd_row<float>(hf, of, n, alpha, limit);
+    row_fn(hf, of, n);
     float_to_bf16(of, reinterpret_cast<uint16_t*>(o) + j0, n);
   }
 }
 
-void oai_bwd_row_bf16(const at::BFloat16* grad, const at::BFloat16* h, at::BFloat16* gh, int64_t W, float alpha,
-                      float limit) {
+template <typename RowFn>
+void interleaved_bwd_bf16(const at::BFloat16* grad, const at::BFloat16* h, at::BFloat16* gh, int64_t W,
+                          RowFn&& row_fn) {
   alignas(64) float gf[kActChunk], hf[2 * kActChunk], ghf[2 * kActChunk];
   for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
     const int64_t n = std::min(kActChunk, W - j0);
     bf16_to_float(reinterpret_cast<const uint16_t*>(grad) + j0, gf, n);
     bf16_to_float(reinterpret_cast<const uint16_t*>(h) + 2 * j0, hf, 2 * n);
-    oai_bwd_row<float>(gf, hf, ghf, n, alpha, limit);
+    row_fn(gf, hf, ghf, n);
     float_to_bf16(ghf, reinterpret_cast<uint16_t*>(gh) + 2 * j0, 2 * n);
   }
 }
@@ -425,13 +428,7 @@ MINAGI_SIMD_CLONES void swiglu_bwd_row(const acc_t* __restrict grad, const acc_t
 template <typename scalar_t>
 void swiglu_il_row(const scalar_t* h, scalar_t* o, int64_t W) {
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    alignas(64) float hf[2 * kActChunk], of[kActChunk];
-    for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
-      const int64_t n = std::min(kActChunk, W - j0);
-      bf16_to_float(reinterpret_cast<const uint16_t*>(h) + 2 * j0, hf, 2 * n);
-      swiglu_il_fwd_row<float>(hf, of, n);
-      float_to_bf16(of, reinterpret_cast<uint16_t*>(o) + j0, n);
-    }
+    interleaved_fwd_bf16(h, o, W, [](const float* hf, float* of, int64_t n) { swiglu_il_fwd_row<float>(hf, of, n); });
   } else if constexpr (std::is_floating_point_v<scalar_t>) {
     swiglu_il_fwd_row<scalar_t>(h, o, W);
   } else {
@@ -442,23 +439,23 @@ void swiglu_il_row(const scalar_t* h, scalar_t* o, int64_t W) {
 template <typename scalar_t>
 void swiglu_grad_row(bool interleaved, const scalar_t* grad, const scalar_t* h, scalar_t* gh, int64_t W) {
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    alignas(64) float gf[kActChunk], hf[2 * kActChunk], ghf[2 * kActChunk];
+    if (interleaved) {
+      interleaved_bwd_bf16(grad, h, gh, W, [](const float* gf, const float* hf, float* ghf, int64_t n) {
+        swiglu_bwd_row<float, 2>(gf, hf, hf + 1, ghf, ghf + 1, n);
+      });
+      return;
+    }
+    alignas(64) float gf[kActChunk], hf[2 * kActChunk], ghf[2 * kActChunk];  // gate chunk, then up chunk
     const uint16_t* hu = reinterpret_cast<const uint16_t*>(h);
     uint16_t* ghu = reinterpret_cast<uint16_t*>(gh);
     for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
       const int64_t n = std::min(kActChunk, W - j0);
       bf16_to_float(reinterpret_cast<const uint16_t*>(grad) + j0, gf, n);
-      if (interleaved) {
-        bf16_to_float(hu + 2 * j0, hf, 2 * n);
-        swiglu_bwd_row<float, 2>(gf, hf, hf + 1, ghf, ghf + 1, n);
-        float_to_bf16(ghf, ghu + 2 * j0, 2 * n);
-      } else {  // gate chunk at hf, up chunk at hf + kActChunk
-        bf16_to_float(hu + j0, hf, n);
-        bf16_to_float(hu + W + j0, hf + kActChunk, n);
-        swiglu_bwd_row<float, 1>(gf, hf, hf + kActChunk, ghf, ghf + kActChunk, n);
-        float_to_bf16(ghf, ghu + j0, n);
-        float_to_bf16(ghf + kActChunk, ghu + W + j0, n);
-      }
+      bf16_to_float(hu + j0, hf, n);
+      bf16_to_float(hu + W + j0, hf + kActChunk, n);
+      swiglu_bwd_row<float, 1>(gf, hf, hf + kActChunk, ghf, ghf + kActChunk, n);
+      float_to_bf16(ghf, ghu + j0, n);
+      float_to_bf16(ghf + kActChunk, ghu + W + j0, n);
     }
   } else if constexpr (std::is_floating_point_v<scalar_t>) {
     if (interleaved) {
@@ -518,7 +515,8 @@ void oai_rows(const at::Tensor& h, at::Tensor& out, double alpha, double limit) 
       const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
       scalar_t* o = out.data_ptr<scalar_t>() + r * out.stride(0);
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        oai_fwd_row_bf16(hr, o, W, static_cast<float>(alpha), static_cast<float>(limit));
+        const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+        interleaved_fwd_bf16(hr, o, W, [&](const float* hf, float* of, int64_t n) { oai_fwd_row<float>(hf, of, n, a, l); });
       } else {
         oai_fwd_row<scalar_t>(hr, o, W, static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
       }
@@ -588,7 +586,10 @@ void oai_backward_rows(const at::Tensor& grad, const at::Tensor& h, at::Tensor& 
       const scalar_t* hr = h.data_ptr<scalar_t>() + r * h.stride(0);
       scalar_t* g = gh.data_ptr<scalar_t>() + r * gh.stride(0);
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        oai_bwd_row_bf16(gr, hr, g, W, static_cast<float>(alpha), static_cast<float>(limit));
+        const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+        interleaved_bwd_bf16(gr, hr, g, W, [&](const float* gf, const float* hf, float* ghf, int64_t n) {
+          oai_bwd_row<float>(gf, hf, ghf, n, a, l);
+        });
       } else {
         oai_bwd_row<scalar_t>(gr, hr, g, W, static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
       }

@@ -240,52 +240,58 @@ def test_grouped_mm_weights_with_no_unit_stride(compiled, device, dtype):
     assert_close(got.cpu(), REF.grouped_mm(a, b[:, ::2, ::2], order, rows), dtype, scale=4)
 
 
+OWN_KERNEL_DTYPES = [torch.float32, torch.bfloat16]
+
+
 @pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 40), (64, 64), (130, 95)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_grouped_mm_bfloat16_slot_shapes(compiled, K, N, transposed):
-    # In bfloat16 a slot of more than a few rows goes through the CPU's own pair-dot-product
-    # kernel where the CPU has AVX512-BF16 (ATen's mm elsewhere): 8-row tiles and every remainder
-    # (5 to 19 rows, 40), odd K (a pair with a zero), N past its 32-column blocks, and weights in
-    # either layout (.mT of [S, N, K] is how nn.Linear-style experts come in).
+@pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
+def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
+    # In float32 and bfloat16 a slot of more than a few rows goes through the CPU's own AVX-512
+    # kernels (csrc/cpu/f32_gemm.h, bf16_gemm.h) where the CPU has them (ATen's mm elsewhere):
+    # 8-row tiles and every remainder (5 to 19 rows, 40), odd K (in bfloat16 a pair with a zero),
+    # N past their 32-column blocks, and weights in either layout (.mT of [S, N, K] is how
+    # nn.Linear-style experts come in).
     rows = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 40])
     ids = torch.randperm(len(rows))
-    a = torch.randn(int(rows.sum()), K).bfloat16()
+    a = torch.randn(int(rows.sum()), K).to(dtype)
     b = (torch.randn(len(rows), N, K).mT if transposed else torch.randn(len(rows), K, N)) / K ** 0.5
-    b = b.bfloat16()
+    b = b.to(dtype)
     got = compiled.grouped_mm(a, b, ids, rows)
-    want = REF.grouped_mm(a.double(), b.double(), ids, rows)  # exact from the same bf16 values
-    assert_close(got, want, torch.bfloat16)
+    want = REF.grouped_mm(a.double(), b.double(), ids, rows)  # exact from the same values
+    assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (64, 64), (130, 95)])
-def test_weight_gradients_bfloat16_slot_shapes(compiled, K, M):
-    # The weight gradients' GEMMs (x^T y over a slot's rows) take the same kernel in bfloat16: an
-    # odd number of rows (a pair with a zero), widths past its 32-column blocks, an empty slot.
+@pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
+def test_weight_gradients_slot_shapes(compiled, K, M, dtype):
+    # The weight gradients' GEMMs (x^T y over a slot's rows) take the same kernels: an odd number
+    # of rows (in bfloat16 a pair with a zero), widths past their 32-column blocks, an empty slot.
     rows = torch.tensor([1, 2, 5, 8, 9, 16, 33, 0, 40])
     ids = torch.randperm(len(rows))
-    a = torch.randn(int(rows.sum()), K).bfloat16()
-    g = torch.randn(int(rows.sum()), M).bfloat16()
+    a = torch.randn(int(rows.sum()), K).to(dtype)
+    g = torch.randn(int(rows.sum()), M).to(dtype)
     want = REF.grouped_mm_wgrad(a.double(), g.double(), ids, rows, len(rows) + 1)
     threads = torch.get_num_threads()
     try:
         for n in (1, 8):  # 8: the busiest slots' columns split across parts (grad's rows wider than a part)
             torch.set_num_threads(n)
             got = compiled.grouped_mm_wgrad(a, g, ids, rows, len(rows) + 1)
-            assert_close(got, want, torch.bfloat16, scale=2, msg=f"{n} threads")
+            assert_close(got, want, dtype, scale=2, msg=f"{n} threads")
     finally:
         torch.set_num_threads(threads)
     # scatter_mm_backward: a slot's rows of grad_y (times their gates) against a's, both layouts
     slot_idx = sink_routing(60, 8, 2, 50)
     _, order, srows, row_pair, dest = _plan(slot_idx, 8, 0, False)
-    a2 = torch.randn(row_pair.shape[0], K).bfloat16()
-    b2 = (torch.randn(8, K, M) / K ** 0.5).bfloat16()
-    gy, gates = torch.randn(60, M).bfloat16(), torch.rand(60, 2).bfloat16()
+    a2 = torch.randn(row_pair.shape[0], K).to(dtype)
+    b2 = (torch.randn(8, K, M) / K ** 0.5).to(dtype)
+    gy, gates = torch.randn(60, M).to(dtype), torch.rand(60, 2).to(dtype)
     for layout in (1, 2):
         got = compiled.scatter_mm_backward(gy, a2, b2, gates, order, srows, row_pair, dest, layout)
         want = REF.scatter_mm_backward(gy.double(), a2.double(), b2.double(), gates.double(), order, srows, row_pair,
                                        dest, layout)
         for x, y, what in zip(got, want, ("grad_a", "grad_b", "grad_gates")):
-            assert_close(x, y, torch.bfloat16, scale=2, msg=f"layout {layout} {what}")
+            assert_close(x, y, dtype, scale=2, msg=f"layout {layout} {what}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

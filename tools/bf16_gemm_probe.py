@@ -2,9 +2,10 @@
 one torch.bmm over the experts (the floor's call), ATen's mm once per expert (what minagi's CPU kernels
 make: in bfloat16 each goes to oneDNN), with each expert's rows uneven (as routing makes them), and
 MKL's cblas_gemm_bf16bf16f32 (exported by torch's x86 libtorch_cpu) once per expert into a float32
-tile, then copied to bfloat16, and minagi's grouped_mm over the same uneven rows (in bfloat16, on a
-CPU with AVX512-BF16, its own kernel: csrc/cpu/bf16_gemm.h), with the weights as stored and as the
-.mT view of [experts, M, K] (how nn.Linear-style experts come in). float32's bmm and mm beside them.
+tile, then copied to bfloat16, and minagi's grouped_mm over the same uneven rows (its own kernels
+where the CPU has them: in bfloat16 with AVX512-BF16, csrc/cpu/bf16_gemm.h; in float32 with
+AVX-512, csrc/cpu/f32_gemm.h), with the weights as stored and as the .mT view of [experts, M, K]
+(how nn.Linear-style experts come in). float32's bmm, mm and grouped_mm beside them.
 
     python tools/bf16_gemm_probe.py
 
@@ -59,7 +60,7 @@ def main() -> None:
             mm = median_ms(lambda: [torch.mm(a[i], b[i], out=out[i]) for i in range(S)])
             mm_uneven = median_ms(lambda: [torch.mm(uneven[i], b[i], out=outs[i]) for i in range(S)])
             line.append(f"{str(dt)[6:]} bmm {bmm:.1f} ms, mm per expert {mm:.1f}, uneven rows {mm_uneven:.1f};")
-            if dt == torch.bfloat16 and ops is not None:
+            if ops is not None:
                 a_cat, rows_s = torch.cat(uneven), torch.tensor([u.shape[0] for u in uneven])
                 ids, b_t = torch.arange(S), b.mT.contiguous().mT  # the same values, each expert [M, K]
                 mine = median_ms(lambda: ops.grouped_mm(a_cat, b, ids, rows_s))

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "f32_gemm.h"  // transpose16
+
 // GCC 11 and clang 12 know both the avx512bf16 target and its CPUID name.
 #if defined(__x86_64__) && !defined(_WIN32) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
@@ -52,33 +54,6 @@ constexpr int64_t kRows = 8;   // rows per micro-tile: 16 accumulators
 inline int64_t block_elems(int64_t K) { return ((K + 1) / 2) * kCols * 2; }
 
 inline int64_t ceil_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
-
-// r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows were r[0..15].
-MINAGI_BF16_TARGET inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
 
 // Columns [n0, n0 + nn) of b (b[k, n] at b + k * sk + n * sn, with sk == 1 or sn == 1) into pairs:
 // out[p * 64 + c * 2 + j] = b[2p + j, n0 + c], zero past K and past nn.

@@ -189,9 +189,12 @@ MINAGI_SIMD_CLONES void small_rows_mm_cols(const scalar_t* __restrict a, int64_t
 // n elements of scratch for this thread, kept for its next call: a fresh block of a tile's size
 // (hundreds of KiB) would be mapped and faulted in page by page for every slot. Past kMaxKept
 // bytes the caller's own (freed) buffer is used instead, so a thread holds at most that much.
+// Each use has its own buffer: a GEMM kernel packs its weights (kPack) while the caller's gathered
+// rows (kTile) are its input.
 constexpr size_t kMaxKept = size_t{4} << 20;
+enum class Scratch { kTile, kPack };
 
-template <typename T>
+template <typename T, Scratch use = Scratch::kTile>
 T* thread_scratch(int64_t n, std::vector<T>& own) {
   thread_local std::vector<T> kept;
   std::vector<T>& buf = static_cast<size_t>(n) * sizeof(T) <= kMaxKept ? kept : own;
@@ -207,7 +210,7 @@ void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk,
 #ifdef MINAGI_BF16_DOT
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     std::vector<uint16_t> own;
-    uint16_t* scratch = thread_scratch<uint16_t>(bf16_dot::block_elems(K), own);
+    uint16_t* scratch = thread_scratch<uint16_t, Scratch::kPack>(bf16_dot::block_elems(K), own);
     bf16_dot_gemm(reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), sk, sn,
                   reinterpret_cast<uint16_t*>(out), ldo, nr, K, M, scratch);
     return;
@@ -216,8 +219,25 @@ void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk,
   TORCH_INTERNAL_ASSERT(false, "bf16_slot_mm without AVX512-BF16");
 }
 
+// f32_gemm (csrc/cpu/f32_gemm.h) with this thread's packing scratch; only reached for float32
+// where avx512_available().
+template <typename scalar_t>
+void f32_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
+                 int64_t ldo, int64_t nr, int64_t K, int64_t M) {
+#ifdef MINAGI_AVX512
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::vector<float> own;
+    float* scratch = thread_scratch<float, Scratch::kPack>(K * f32_fma::kCols, own);
+    f32_gemm(a, lda, 1, b, sk, sn, out, ldo, nr, K, M, scratch);
+    return;
+  }
+#endif
+  TORCH_INTERNAL_ASSERT(false, "f32_slot_mm without AVX-512");
+}
+
 // out = x^T y, the sum over their rows (x [nr, M], y [nr, N], out [M, N]: views with unit column
-// stride or any strides): a weight gradient's GEMM. bfloat16 takes bf16_dot_wgrad where it can.
+// stride or any strides): a weight gradient's GEMM. bfloat16 takes bf16_dot_wgrad and float32
+// f32_gemm where they can.
 void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
 #ifdef MINAGI_BF16_DOT
   if (out.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
@@ -225,9 +245,20 @@ void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
       bf16_dot_wgrad_scratch(x.size(0), y.size(1)) * 2 <= kBf16DotMaxScratch && bf16_dot_available()) {
     const int64_t nr = x.size(0), M = x.size(1), N = y.size(1);
     std::vector<uint16_t> own;
-    uint16_t* scratch = thread_scratch<uint16_t>(bf16_dot_wgrad_scratch(nr, N), own);
+    uint16_t* scratch = thread_scratch<uint16_t, Scratch::kPack>(bf16_dot_wgrad_scratch(nr, N), own);
     bf16_dot_wgrad(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint16_t*>(y.data_ptr()),
                    y.stride(0), static_cast<uint16_t*>(out.data_ptr()), out.stride(0), nr, M, N, scratch);
+    return;
+  }
+#endif
+#ifdef MINAGI_AVX512
+  if (out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+      y.stride(1) == 1 && out.stride(1) == 1 && x.size(0) <= kF32MaxInner && avx512_available()) {
+    std::vector<float> own;
+    float* scratch = thread_scratch<float, Scratch::kPack>(x.size(0) * f32_fma::kCols, own);
+    // x^T's row m is x's column m: values x.stride(0) apart
+    f32_gemm(x.data_ptr<float>(), x.stride(1), x.stride(0), y.data_ptr<float>(), y.stride(0), 1,
+             out.data_ptr<float>(), out.stride(0), x.size(1), x.size(0), y.size(1), scratch);
     return;
   }
 #endif
@@ -235,7 +266,8 @@ void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
 }
 
 // out[nr, M] (rows M apart) = a[nr, K] (rows K apart) times slot `slot` of b ([S, K, M], any
-// strides): a few rows through the streaming kernels above, more through ATen's mm (the BLAS).
+// strides): a few rows through the streaming kernels above, more through the own AVX-512 kernels
+// (float32, bfloat16) where the CPU has them, else ATen's mm (the BLAS).
 template <typename scalar_t>
 void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out, int64_t nr) {
   const int64_t K = b.size(1), M = b.size(2);
@@ -247,6 +279,9 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
   } else if (std::is_same_v<scalar_t, at::BFloat16> && (b.stride(1) == 1 || b.stride(2) == 1) &&
              K <= kBf16DotMaxInner && bf16_dot_available()) {
     bf16_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
+  } else if (std::is_same_v<scalar_t, float> && (b.stride(1) == 1 || b.stride(2) == 1) && K <= kF32MaxInner &&
+             avx512_available()) {
+    f32_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
   } else {
     at::Tensor o = at::from_blob(out, {nr, M}, b.options());
     at::cpu::mm_out(o, at::from_blob(const_cast<scalar_t*>(a), {nr, K}, b.options()), b.select(0, slot));

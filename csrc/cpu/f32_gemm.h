@@ -1,0 +1,191 @@
+// One slot's float32 GEMM on AVX-512 FMAs, without a call into ATen. ATen's mm goes to MKL's sgemm,
+// which reached 58-77 GFLOP/s of this CPU's 117 on one thread at the slots' shapes (32-128 rows
+// over K 512), and its torch.bmm over all experts no more (tools/bf16_gemm_probe.py). The same
+// product from a column block packed in the thread's cache and 8 rows at a time runs 66-93: the
+// packing is one pass over 32 columns, and a block's next one is prefetched while it is used.
+//
+// Built for the baseline ISA like the rest (no -march=native): the functions carry a target
+// attribute, and callers ask avx512_available() (CPUID, once) before calling them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__x86_64__) && !defined(_WIN32) && \
+    ((defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8))
+#define MINAGI_AVX512 1
+#include <immintrin.h>
+// GCC's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* values.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace minagi {
+
+// A packed column block is re-read for every 8 rows and the kernels do not block over the inner
+// dimension: past this inner size (512 KiB a block) it would leave the L2 cache, and ATen's mm
+// (which blocks) is taken instead. A weight gradient's inner dimension is its slot's rows.
+constexpr int64_t kF32MaxInner = 4096;
+
+#ifdef MINAGI_AVX512
+
+inline bool avx512_available() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
+#define MINAGI_AVX512_TARGET __attribute__((target("avx512f")))
+
+// r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows were r[0..15].
+MINAGI_AVX512_TARGET __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+namespace f32_fma {
+
+constexpr int64_t kCols = 32;  // output columns per block: two zmm accumulators a row
+constexpr int64_t kRows = 8;   // rows per micro-tile: 16 accumulators
+
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
+
+// Where column block [n0, n0 + nn)'s source lies in b (b[k, n] at b + k * sk + n * sn, sk == 1 or
+// sn == 1), as "units" of contiguous values: K rows of nn values, or nn columns of K values. Its
+// cache lines are prefetched a few at a time while the block before it is in use.
+struct Source {
+  const char* p = nullptr;
+  int64_t unit_stride = 0, unit_lines = 0, units = 0;
+  int64_t lines() const { return units * unit_lines; }
+  const char* line(int64_t q) const { return p + (q / unit_lines) * unit_stride + (q % unit_lines) * 64; }
+};
+
+inline Source source(const float* b, int64_t sk, int64_t sn, int64_t K, int64_t n0, int64_t nn) {
+  if (nn <= 0) return {};
+  if (sk == 1) return {reinterpret_cast<const char*>(b + n0 * sn), sn * 4, (K + 15) / 16, nn};
+  return {reinterpret_cast<const char*>(b + n0), sk * 4, (nn + 15) / 16, K};
+}
+
+// Columns [n0, n0 + nn) of b into out[k * 32 + c] = b[k, n0 + c], zero past nn.
+MINAGI_AVX512_TARGET inline void pack_block(const float* b, int64_t sk, int64_t sn, int64_t K, int64_t n0,
+                                            int64_t nn, float* out) {
+  if (sk == 1) {  // a column's K values are contiguous: transpose 16 x 16 tiles
+    for (int64_t h = 0; h < kCols; h += 16) {
+      const int64_t m = std::max<int64_t>(0, std::min<int64_t>(16, nn - h));
+      for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        const int64_t q = std::min<int64_t>(16, K - k0);
+        __m512 r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          r[i] = i < m ? _mm512_maskz_loadu_ps(lanes(q), b + (n0 + h + i) * sn + k0) : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        for (int64_t j = 0; j < q; ++j) _mm512_storeu_ps(out + (k0 + j) * kCols + h, r[j]);
+      }
+    }
+    return;
+  }
+  const __mmask16 m0 = lanes(nn), m1 = lanes(nn - 16);
+  for (int64_t k = 0; k < K; ++k) {
+    _mm512_storeu_ps(out + k * kCols, _mm512_maskz_loadu_ps(m0, b + k * sk + n0));
+    _mm512_storeu_ps(out + k * kCols + 16, _mm512_maskz_loadu_ps(m1, b + k * sk + n0 + 16));
+  }
+}
+
+// R rows of a times one packed block (nn columns of out, rows ldo apart); row r's value k is at
+// a + r * ra + k * pa (a row-major a: ra = lda, pa = 1; a weight gradient's x^T: ra = 1, pa = ldx).
+// Prefetches lines [q0, q1) of `next` along the way, one every K / (q1 - q0) steps.
+template <int R>
+MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K, float* out,
+                                       int64_t ldo, int64_t nn, const Source& next, int64_t q0, int64_t q1) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t every = q1 > q0 ? std::max<int64_t>(1, K / (q1 - q0)) : K + 1;
+  int64_t q = q0;
+  for (int64_t k = 0, due = 0; k < K; ++k) {
+    if (k == due && q < q1) {
+      _mm_prefetch(next.line(q++), _MM_HINT_T0);
+      due += every;
+    }
+    const __m512 b0 = _mm512_loadu_ps(pb + k * kCols), b1 = _mm512_loadu_ps(pb + k * kCols + 16);
+    const float* ak = a + k * pa;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ak[r * ra]);
+      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+    }
+  }
+  for (; q < q1; ++q) _mm_prefetch(next.line(q), _MM_HINT_T0);
+  const __mmask16 m0 = lanes(nn), m1 = lanes(nn - 16);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, acc[r][1]);
+  }
+}
+
+template <int R>
+MINAGI_AVX512_TARGET inline void rows_tail(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K,
+                                           float* out, int64_t ldo, int64_t nn, int64_t left, const Source& next,
+                                           int64_t q0, int64_t q1) {
+  if constexpr (R > 0) {
+    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1);
+    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1);
+  }
+}
+
+}  // namespace f32_fma
+
+// out[nr, N] (rows ldo apart) = a x b, with a's row r value k at a + r * ra + k * pa and b[k, n] at
+// b + k * sk + n * sn (sk == 1 or sn == 1). Each output is one sequential sum over k, whatever nr
+// and the caller's split of rows or columns. scratch holds K * 32 floats.
+MINAGI_AVX512_TARGET inline void f32_gemm(const float* a, int64_t ra, int64_t pa, const float* b, int64_t sk,
+                                          int64_t sn, float* out, int64_t ldo, int64_t nr, int64_t K, int64_t N,
+                                          float* scratch) {
+  using namespace f32_fma;
+  const int64_t tiles = (nr + kRows - 1) / kRows;
+  for (int64_t n0 = 0; n0 < N; n0 += kCols) {
+    const int64_t nn = std::min(kCols, N - n0);
+    pack_block(b, sk, sn, K, n0, nn, scratch);
+    const Source next = source(b, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols));
+    const int64_t Q = next.lines();
+    for (int64_t t = 0; t < tiles; ++t) {  // the next block's lines spread over this block's tiles
+      const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;
+      if (r + kRows <= nr) {
+        micro<kRows>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, next, q0, q1);
+      } else {
+        rows_tail<kRows - 1>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, nr - r, next, q0, q1);
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+#else
+
+inline bool avx512_available() { return false; }
+
+#endif
+
+}  // namespace minagi

@@ -104,20 +104,25 @@ MINAGI_BF16_TARGET inline void pack_block(const uint16_t* b, int64_t sk, int64_t
 // pa = 2; an a packed by pack_block (the weight gradient's transposed operand) has ra = 2, pa = 64.
 template <int R>
 MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb, int64_t K,
-                                     uint16_t* out, int64_t ldo, int64_t nn) {
+                                     uint16_t* out, int64_t ldo, int64_t nn, const Source& next, int64_t q0,
+                                     int64_t q1) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t full = K / 2;
-  for (int64_t p = 0; p < full; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pb + p * kCols * 2);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(pb + p * kCols * 2 + 32);
+  Prefetch pf(next, q0, q1, full);
+  for (int64_t c = 0, C = pf.chunks(); c < C; ++c) {
+    pf.issue();
+    for (int64_t p = c * full / C, p1 = (c + 1) * full / C; p < p1; ++p) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pb + p * kCols * 2);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(pb + p * kCols * 2 + 32);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t w;
-      std::memcpy(&w, a + r * ra + p * pa, sizeof(w));
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(w);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+      for (int r = 0; r < R; ++r) {
+        int32_t w;
+        std::memcpy(&w, a + r * ra + p * pa, sizeof(w));
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(w);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+      }
     }
   }
   if (K & 1) {  // the last value, paired with zero
@@ -137,19 +142,28 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
 
 template <int R>
 MINAGI_BF16_TARGET inline void rows_tail(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb, int64_t K,
-                                         uint16_t* out, int64_t ldo, int64_t nn, int64_t left) {
+                                         uint16_t* out, int64_t ldo, int64_t nn, int64_t left, const Source& next,
+                                         int64_t q0, int64_t q1) {
   if constexpr (R > 0) {
-    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn);
-    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left);
+    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1);
+    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1);
   }
 }
 
-// nr rows of a (addressed as in micro) times one packed column block.
+// nr rows of a (addressed as in micro) times one packed column block, prefetching `next`'s lines
+// spread over the tiles.
 MINAGI_BF16_TARGET inline void rows_times_block(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb,
-                                                int64_t K, uint16_t* out, int64_t ldo, int64_t nr, int64_t nn) {
-  int64_t r = 0;
-  for (; r + kRows <= nr; r += kRows) micro<kRows>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn);
-  if (r < nr) rows_tail<kRows - 1>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, nr - r);
+                                                int64_t K, uint16_t* out, int64_t ldo, int64_t nr, int64_t nn,
+                                                const Source& next = Source{}) {
+  const int64_t tiles = (nr + kRows - 1) / kRows, Q = next.lines();
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;
+    if (r + kRows <= nr) {
+      micro<kRows>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, next, q0, q1);
+    } else {
+      rows_tail<kRows - 1>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, nr - r, next, q0, q1);
+    }
+  }
 }
 
 }  // namespace bf16_dot
@@ -163,7 +177,8 @@ MINAGI_BF16_TARGET inline void bf16_dot_gemm(const uint16_t* a, int64_t lda, con
   for (int64_t n0 = 0; n0 < N; n0 += kCols) {
     const int64_t nn = std::min(kCols, N - n0);
     pack_block(b, sk, sn, K, n0, nn, scratch);
-    rows_times_block(a, lda, 2, scratch, K, out + n0, ldo, nr, nn);
+    rows_times_block(a, lda, 2, scratch, K, out + n0, ldo, nr, nn,
+                     block_source(b, 2, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols)));
   }
 }
 
@@ -184,9 +199,10 @@ MINAGI_BF16_TARGET inline void bf16_dot_wgrad(const uint16_t* x, int64_t ldx, co
   for (int64_t m0 = 0; m0 < M; m0 += kCols) {
     const int64_t mm = std::min(kCols, M - m0);
     pack_block(x, ldx, 1, nr, m0, mm, xp);  // x^T's rows m0.. in pairs along the nr rows
+    const Source next = block_source(x, 2, ldx, 1, nr, m0 + kCols, std::min(kCols, M - m0 - kCols));
     for (int64_t j = 0; j < nb; ++j) {
       rows_times_block(xp, 2, kCols * 2, scratch + j * blk, nr, out + m0 * ldo + j * kCols, ldo, mm,
-                       std::min(kCols, N - j * kCols));
+                       std::min(kCols, N - j * kCols), j == 0 ? next : Source{});
     }
   }
 }

@@ -64,16 +64,10 @@ MINAGI_AVX512_TARGET __attribute__((always_inline)) inline void transpose16(__m5
   }
 }
 
-namespace f32_fma {
-
-constexpr int64_t kCols = 32;  // output columns per block: two zmm accumulators a row
-constexpr int64_t kRows = 8;   // rows per micro-tile: 16 accumulators
-
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
-
-// Where column block [n0, n0 + nn)'s source lies in b (b[k, n] at b + k * sk + n * sn, sk == 1 or
-// sn == 1), as "units" of contiguous values: K rows of nn values, or nn columns of K values. Its
-// cache lines are prefetched a few at a time while the block before it is in use.
+// Where a column block [n0, n0 + nn) of b lies (b[k, n] at b + (k * sk + n * sn) elements of `elem`
+// bytes, sk == 1 or sn == 1), as "units" of contiguous values: K rows of nn values, or nn columns
+// of K values. The GEMM kernels prefetch a block's cache lines a few at a time while the block
+// before it is in use: from memory, a block arrives in about the time its tiles take.
 struct Source {
   const char* p = nullptr;
   int64_t unit_stride = 0, unit_lines = 0, units = 0;
@@ -81,11 +75,34 @@ struct Source {
   const char* line(int64_t q) const { return p + (q / unit_lines) * unit_stride + (q % unit_lines) * 64; }
 };
 
-inline Source source(const float* b, int64_t sk, int64_t sn, int64_t K, int64_t n0, int64_t nn) {
+inline Source block_source(const void* b, int64_t elem, int64_t sk, int64_t sn, int64_t K, int64_t n0, int64_t nn) {
   if (nn <= 0) return {};
-  if (sk == 1) return {reinterpret_cast<const char*>(b + n0 * sn), sn * 4, (K + 15) / 16, nn};
-  return {reinterpret_cast<const char*>(b + n0), sk * 4, (nn + 15) / 16, K};
+  const char* p = static_cast<const char*>(b);
+  if (sk == 1) return {p + n0 * sn * elem, sn * elem, (K * elem + 63) / 64, nn};
+  return {p + n0 * elem, sk * elem, (nn * elem + 63) / 64, K};
 }
+
+// Lines [q0, q1) of a Source spread over a loop of n steps: the loop runs in chunks() chunks, and
+// before chunk c issue(c) prefetches its share of the lines. (A branch on every step inside the
+// loop kept GCC from holding the accumulators in registers.)
+struct Prefetch {
+  const Source& src;
+  int64_t q, q1, n_chunks, per;
+  Prefetch(const Source& s, int64_t q0, int64_t q1_, int64_t n)
+      : src(s), q(q0), q1(q1_), n_chunks(std::max<int64_t>(1, std::min(n, q1_ - q0))),
+        per((q1_ - q0 + n_chunks - 1) / n_chunks) {}
+  int64_t chunks() const { return n_chunks; }
+  void issue() {
+    for (int64_t i = 0; i < per && q < q1; ++i) _mm_prefetch(src.line(q++), _MM_HINT_T0);
+  }
+};
+
+namespace f32_fma {
+
+constexpr int64_t kCols = 32;  // output columns per block: two zmm accumulators a row
+constexpr int64_t kRows = 8;   // rows per micro-tile: 16 accumulators
+
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
 
 // Columns [n0, n0 + nn) of b into out[k * 32 + c] = b[k, n0 + c], zero past nn.
 MINAGI_AVX512_TARGET inline void pack_block(const float* b, int64_t sk, int64_t sn, int64_t K, int64_t n0,
@@ -114,29 +131,26 @@ MINAGI_AVX512_TARGET inline void pack_block(const float* b, int64_t sk, int64_t 
 
 // R rows of a times one packed block (nn columns of out, rows ldo apart); row r's value k is at
 // a + r * ra + k * pa (a row-major a: ra = lda, pa = 1; a weight gradient's x^T: ra = 1, pa = ldx).
-// Prefetches lines [q0, q1) of `next` along the way, one every K / (q1 - q0) steps.
+// Prefetches lines [q0, q1) of `next` along the way.
 template <int R>
 MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K, float* out,
                                        int64_t ldo, int64_t nn, const Source& next, int64_t q0, int64_t q1) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t every = q1 > q0 ? std::max<int64_t>(1, K / (q1 - q0)) : K + 1;
-  int64_t q = q0;
-  for (int64_t k = 0, due = 0; k < K; ++k) {
-    if (k == due && q < q1) {
-      _mm_prefetch(next.line(q++), _MM_HINT_T0);
-      due += every;
-    }
-    const __m512 b0 = _mm512_loadu_ps(pb + k * kCols), b1 = _mm512_loadu_ps(pb + k * kCols + 16);
-    const float* ak = a + k * pa;
+  Prefetch pf(next, q0, q1, K);
+  for (int64_t c = 0, C = pf.chunks(); c < C; ++c) {
+    pf.issue();
+    for (int64_t k = c * K / C, k1 = (c + 1) * K / C; k < k1; ++k) {
+      const __m512 b0 = _mm512_loadu_ps(pb + k * kCols), b1 = _mm512_loadu_ps(pb + k * kCols + 16);
+      const float* ak = a + k * pa;
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(ak[r * ra]);
-      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(ak[r * ra]);
+        acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+      }
     }
   }
-  for (; q < q1; ++q) _mm_prefetch(next.line(q), _MM_HINT_T0);
   const __mmask16 m0 = lanes(nn), m1 = lanes(nn - 16);
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);
@@ -167,7 +181,7 @@ MINAGI_AVX512_TARGET inline void f32_gemm(const float* a, int64_t ra, int64_t pa
   for (int64_t n0 = 0; n0 < N; n0 += kCols) {
     const int64_t nn = std::min(kCols, N - n0);
     pack_block(b, sk, sn, K, n0, nn, scratch);
-    const Source next = source(b, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols));
+    const Source next = block_source(b, 4, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols));
     const int64_t Q = next.lines();
     for (int64_t t = 0; t < tiles; ++t) {  // the next block's lines spread over this block's tiles
       const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;

@@ -105,7 +105,7 @@ MINAGI_BF16_TARGET inline void pack_block(const uint16_t* b, int64_t sk, int64_t
 template <int R>
 MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb, int64_t K,
                                      uint16_t* out, int64_t ldo, int64_t nn, const Source& next, int64_t q0,
-                                     int64_t q1) {
+                                     int64_t q1, bool stream) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t full = K / 2;
@@ -134,8 +134,15 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
     }
   }
+  // round to nearest even (denormals flush to zero, as in vdpbf16ps itself)
+  if (stream_rows(stream, out, nn * 2, ldo * 2)) {
+    for (int r = 0; r < R; ++r) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * ldo), (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
+    }
+    return;
+  }
   const __mmask32 mask = nn >= kCols ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << nn) - 1);
-  for (int r = 0; r < R; ++r) {  // round to nearest even (denormals flush to zero, as in vdpbf16ps itself)
+  for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_epi16(out + r * ldo, mask, (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
   }
 }
@@ -143,10 +150,10 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
 template <int R>
 MINAGI_BF16_TARGET inline void rows_tail(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb, int64_t K,
                                          uint16_t* out, int64_t ldo, int64_t nn, int64_t left, const Source& next,
-                                         int64_t q0, int64_t q1) {
+                                         int64_t q0, int64_t q1, bool stream) {
   if constexpr (R > 0) {
-    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1);
-    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1);
+    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1, stream);
+    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1, stream);
   }
 }
 
@@ -154,14 +161,14 @@ MINAGI_BF16_TARGET inline void rows_tail(const uint16_t* a, int64_t ra, int64_t 
 // spread over the tiles.
 MINAGI_BF16_TARGET inline void rows_times_block(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb,
                                                 int64_t K, uint16_t* out, int64_t ldo, int64_t nr, int64_t nn,
-                                                const Source& next = Source{}) {
+                                                const Source& next = Source{}, bool stream = false) {
   const int64_t tiles = (nr + kRows - 1) / kRows, Q = next.lines();
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;
     if (r + kRows <= nr) {
-      micro<kRows>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, next, q0, q1);
+      micro<kRows>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, next, q0, q1, stream);
     } else {
-      rows_tail<kRows - 1>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, nr - r, next, q0, q1);
+      rows_tail<kRows - 1>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, nr - r, next, q0, q1, stream);
     }
   }
 }
@@ -183,7 +190,7 @@ MINAGI_BF16_TARGET inline void bf16_dot_gemm(const uint16_t* a, int64_t lda, con
 }
 
 // A weight gradient: out[M, N] (rows ldo apart) = x[nr, M]^T y[nr, N] (rows ldx and ldy apart), the
-// sum over the nr rows. y is packed whole (bf16_dot_wgrad_scratch(nr, N) elements, then one block of
+// sum over the nr rows; `stream` as in f32_gemm. y is packed whole (bf16_dot_wgrad_scratch(nr, N) elements, then one block of
 // x's columns); x's columns are packed 32 at a time into the rows of the transposed operand.
 inline int64_t bf16_dot_wgrad_scratch(int64_t nr, int64_t N) {
   return (bf16_dot::ceil_blocks(N) + 1) * bf16_dot::block_elems(nr);
@@ -191,7 +198,7 @@ inline int64_t bf16_dot_wgrad_scratch(int64_t nr, int64_t N) {
 
 MINAGI_BF16_TARGET inline void bf16_dot_wgrad(const uint16_t* x, int64_t ldx, const uint16_t* y, int64_t ldy,
                                               uint16_t* out, int64_t ldo, int64_t nr, int64_t M, int64_t N,
-                                              uint16_t* scratch) {
+                                              uint16_t* scratch, bool stream = false) {
   using namespace bf16_dot;
   const int64_t blk = block_elems(nr), nb = ceil_blocks(N);
   for (int64_t j = 0; j < nb; ++j) pack_block(y, ldy, 1, nr, j * kCols, std::min(kCols, N - j * kCols), scratch + j * blk);
@@ -202,9 +209,10 @@ MINAGI_BF16_TARGET inline void bf16_dot_wgrad(const uint16_t* x, int64_t ldx, co
     const Source next = block_source(x, 2, ldx, 1, nr, m0 + kCols, std::min(kCols, M - m0 - kCols));
     for (int64_t j = 0; j < nb; ++j) {
       rows_times_block(xp, 2, kCols * 2, scratch + j * blk, nr, out + m0 * ldo + j * kCols, ldo, mm,
-                       std::min(kCols, N - j * kCols), j == 0 ? next : Source{});
+                       std::min(kCols, N - j * kCols), j == 0 ? next : Source{}, stream);
     }
   }
+  if (stream) _mm_sfence();  // the streamed lines are visible before whatever reads them next
 }
 
 #pragma GCC diagnostic pop

@@ -97,6 +97,13 @@ struct Prefetch {
   }
 };
 
+// Whether a tile's rows of out go straight to memory (non-temporal stores): asked for (a weight
+// gradient too large to stay in cache, whose lines then are not read for ownership first, about a
+// fifth of such a GEMM's time from memory), its rows whole 64-byte lines, and aligned.
+inline bool stream_rows(bool stream, const void* out, int64_t row_bytes, int64_t ldo_bytes) {
+  return stream && row_bytes % 64 == 0 && ldo_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+}
+
 namespace f32_fma {
 
 constexpr int64_t kCols = 32;  // output columns per block: two zmm accumulators a row
@@ -134,7 +141,8 @@ MINAGI_AVX512_TARGET inline void pack_block(const float* b, int64_t sk, int64_t 
 // Prefetches lines [q0, q1) of `next` along the way.
 template <int R>
 MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K, float* out,
-                                       int64_t ldo, int64_t nn, const Source& next, int64_t q0, int64_t q1) {
+                                       int64_t ldo, int64_t nn, const Source& next, int64_t q0, int64_t q1,
+                                       bool stream) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   Prefetch pf(next, q0, q1, K);
@@ -151,6 +159,13 @@ MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, c
       }
     }
   }
+  if (stream_rows(stream, out, nn * 4, ldo * 4)) {
+    for (int r = 0; r < R; ++r) {
+      _mm512_stream_ps(out + r * ldo, acc[r][0]);
+      _mm512_stream_ps(out + r * ldo + 16, acc[r][1]);
+    }
+    return;
+  }
   const __mmask16 m0 = lanes(nn), m1 = lanes(nn - 16);
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);
@@ -161,10 +176,10 @@ MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, c
 template <int R>
 MINAGI_AVX512_TARGET inline void rows_tail(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K,
                                            float* out, int64_t ldo, int64_t nn, int64_t left, const Source& next,
-                                           int64_t q0, int64_t q1) {
+                                           int64_t q0, int64_t q1, bool stream) {
   if constexpr (R > 0) {
-    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1);
-    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1);
+    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1, stream);
+    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1, stream);
   }
 }
 
@@ -172,10 +187,11 @@ MINAGI_AVX512_TARGET inline void rows_tail(const float* a, int64_t ra, int64_t p
 
 // out[nr, N] (rows ldo apart) = a x b, with a's row r value k at a + r * ra + k * pa and b[k, n] at
 // b + k * sk + n * sn (sk == 1 or sn == 1). Each output is one sequential sum over k, whatever nr
-// and the caller's split of rows or columns. scratch holds K * 32 floats.
+// and the caller's split of rows or columns. scratch holds K * 32 floats. With `stream` (see
+// stream_rows) whole aligned blocks of out are written past the cache.
 MINAGI_AVX512_TARGET inline void f32_gemm(const float* a, int64_t ra, int64_t pa, const float* b, int64_t sk,
                                           int64_t sn, float* out, int64_t ldo, int64_t nr, int64_t K, int64_t N,
-                                          float* scratch) {
+                                          float* scratch, bool stream = false) {
   using namespace f32_fma;
   const int64_t tiles = (nr + kRows - 1) / kRows;
   for (int64_t n0 = 0; n0 < N; n0 += kCols) {
@@ -186,12 +202,14 @@ MINAGI_AVX512_TARGET inline void f32_gemm(const float* a, int64_t ra, int64_t pa
     for (int64_t t = 0; t < tiles; ++t) {  // the next block's lines spread over this block's tiles
       const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;
       if (r + kRows <= nr) {
-        micro<kRows>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, next, q0, q1);
+        micro<kRows>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, next, q0, q1, stream);
       } else {
-        rows_tail<kRows - 1>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, nr - r, next, q0, q1);
+        rows_tail<kRows - 1>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, nr - r, next, q0, q1,
+                             stream);
       }
     }
   }
+  if (stream) _mm_sfence();  // the streamed lines are visible before whatever reads them next
 }
 
 #pragma GCC diagnostic pop

@@ -235,10 +235,14 @@ void f32_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, 
   TORCH_INTERNAL_ASSERT(false, "f32_slot_mm without AVX-512");
 }
 
+// A weight gradient of at least this many bytes is written past the cache: it is read next by the
+// optimizer, after the rest of the backward has passed through the cache.
+constexpr size_t kStreamBytes = size_t{16} << 20;
+
 // out = x^T y, the sum over their rows (x [nr, M], y [nr, N], out [M, N]: views with unit column
 // stride or any strides): a weight gradient's GEMM. bfloat16 takes bf16_dot_wgrad and float32
-// f32_gemm where they can.
-void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
+// f32_gemm where they can, with `stream` writing past the cache (stream_rows in f32_gemm.h).
+void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y, bool stream) {
 #ifdef MINAGI_BF16_DOT
   if (out.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
       x.stride(1) == 1 && y.stride(1) == 1 && out.stride(1) == 1 && x.size(0) <= kBf16DotMaxInner &&
@@ -247,7 +251,7 @@ void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
     std::vector<uint16_t> own;
     uint16_t* scratch = thread_scratch<uint16_t, Scratch::kPack>(bf16_dot_wgrad_scratch(nr, N), own);
     bf16_dot_wgrad(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint16_t*>(y.data_ptr()),
-                   y.stride(0), static_cast<uint16_t*>(out.data_ptr()), out.stride(0), nr, M, N, scratch);
+                   y.stride(0), static_cast<uint16_t*>(out.data_ptr()), out.stride(0), nr, M, N, scratch, stream);
     return;
   }
 #endif
@@ -258,7 +262,7 @@ void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y) {
     float* scratch = thread_scratch<float, Scratch::kPack>(x.size(0) * f32_fma::kCols, own);
     // x^T's row m is x's column m: values x.stride(0) apart
     f32_gemm(x.data_ptr<float>(), x.stride(1), x.stride(0), y.data_ptr<float>(), y.stride(0), 1,
-             out.data_ptr<float>(), out.stride(0), x.size(1), x.size(0), y.size(1), scratch);
+             out.data_ptr<float>(), out.stride(0), x.size(1), x.size(0), y.size(1), scratch, stream);
     return;
   }
 #endif
@@ -703,6 +707,7 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
   const int64_t K = a.size(1), M = grad.size(1);
   // Only the slots that own no rows need zeros; the others are overwritten whole.
   at::Tensor out = empty_output({n_slots, K, M}, a.options());
+  const bool stream = out.nbytes() >= kStreamBytes;
   const at::Tensor ids = slot_ids.contiguous();
   auto parts = plan_parts(ids, start, at::get_num_threads());
   // Slots with no rows get zeros, as parts of their own so the zeroing is shared out too.
@@ -719,7 +724,7 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
       o.zero_();
       return;
     }
-    wgrad_mm(o, a.narrow(0, p.r0, p.nr), grad.narrow(0, p.r0, p.nr).narrow(1, lo, hi - lo));
+    wgrad_mm(o, a.narrow(0, p.r0, p.nr), grad.narrow(0, p.r0, p.nr).narrow(1, lo, hi - lo), stream);
   });
   return out;
 }
@@ -790,6 +795,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
   at::Tensor grad_g = at::zeros({N, k}, a.options());  // dropped pairs own no row: their gradient is 0
   const std::vector<int64_t> b_shape = b_grad == 2 ? std::vector<int64_t>{S, D, I} : std::vector<int64_t>{S, I, D};
   at::Tensor grad_b = b_grad ? empty_output(b_shape, a.options()) : at::empty({0}, a.options());
+  const bool stream = grad_b.nbytes() >= kStreamBytes;
   // One part per slot, never split (its weight gradient is one GEMM over all its rows); largest
   // first. Slots that own no rows get a zero gradient, as parts of their own.
   const at::Tensor ids = slot_ids.contiguous();
@@ -827,9 +833,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
       at::Tensor o = grad_b.select(0, p.slot);
       const at::Tensor a_rows = a.narrow(0, p.r0, p.nr);
       if (b_grad == 1) {
-        wgrad_mm(o, a_rows, tile_t);  // [I, nr] x [nr, D]
+        wgrad_mm(o, a_rows, tile_t, stream);  // [I, nr] x [nr, D]
       } else {
-        wgrad_mm(o, tile_t, a_rows);  // [D, nr] x [nr, I]
+        wgrad_mm(o, tile_t, a_rows, stream);  // [D, nr] x [nr, I]
       }
     });
   });

@@ -294,6 +294,33 @@ def test_weight_gradients_slot_shapes(compiled, K, M, dtype):
             assert_close(x, y, dtype, scale=2, msg=f"layout {layout} {what}")
 
 
+@pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
+def test_weight_gradients_past_the_cache(compiled, dtype):
+    # A weight gradient of 16 MiB or more is written with non-temporal stores where its rows are
+    # whole aligned 64-byte lines (the own kernels' stream_rows), with ordinary stores elsewhere:
+    # both kinds of rows, in grouped_mm_wgrad and scatter_mm_backward, an empty slot among them.
+    S, K = 64, 256
+    for M in (512, 520):  # 520: rows that are not whole lines take the ordinary stores
+        rows = torch.tensor([5 + i % 8 for i in range(S - 1)] + [0])
+        ids = torch.randperm(S)
+        a = torch.randn(int(rows.sum()), K).to(dtype)
+        g = torch.randn(int(rows.sum()), M).to(dtype)
+        got = compiled.grouped_mm_wgrad(a, g, ids, rows, S)
+        assert got.nbytes >= 16 << 20
+        assert_close(got, REF.grouped_mm_wgrad(a.double(), g.double(), ids, rows, S), dtype, scale=2, msg=f"M {M}")
+    slot_idx = sink_routing(200, S, 2, 50)
+    _, order, srows, row_pair, dest = _plan(slot_idx, S, 0, False)
+    a2 = torch.randn(row_pair.shape[0], K).to(dtype)
+    b2 = (torch.randn(S, K, 512) / K ** 0.5).to(dtype)
+    gy, gates = torch.randn(200, 512).to(dtype), torch.rand(200, 2).to(dtype)
+    got = compiled.scatter_mm_backward(gy, a2, b2, gates, order, srows, row_pair, dest, 1)
+    want = REF.scatter_mm_backward(gy.double(), a2.double(), b2.double(), gates.double(), order, srows, row_pair,
+                                   dest, 1)
+    assert got[1].nbytes >= 16 << 20
+    for x, y, what in zip(got[:2], want[:2], ("grad_a", "grad_b")):  # grad_gates: the slot-shape test
+        assert_close(x, y, dtype, scale=2, msg=what)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_mm_half_precision(compiled, device, dtype):
     slot_idx, (_, _, w_in, _) = make("sink", dtype, requires_grad=False)

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "rows.h"
 
 namespace minagi {
 namespace {
@@ -33,12 +34,8 @@ at::Tensor bucketed_gather_cpu(const at::Tensor& x_in, const at::Tensor& row_pai
           continue;
         }
         const scalar_t* src = xp + (p / k) * D;
-        if (gp == nullptr) {
-          std::copy(src, src + D, dst);
-        } else {
-          const acc_t g = static_cast<acc_t>(gp[p]);
-          for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<scalar_t>(g * static_cast<acc_t>(src[c]));
-        }
+        std::copy(src, src + D, dst);
+        if (gp != nullptr) scale_row(dst, static_cast<acc_t>(gp[p]), D);
       }
     });
   });
@@ -98,13 +95,7 @@ at::Tensor gate_grad_cpu(const at::Tensor& a_in, const at::Tensor& rows_in, cons
       for (int64_t n = b; n < e; ++n) {
         for (int64_t j = 0; j < k; ++j) {
           const int64_t r = dp[n * k + j];
-          acc_t acc = 0;
-          if (r >= 0) {
-            const scalar_t* x = ap + n * D;
-            const scalar_t* y = rowp + r * D;
-            for (int64_t c = 0; c < D; ++c) acc += static_cast<acc_t>(x[c]) * static_cast<acc_t>(y[c]);
-          }
-          op_[n * k + j] = static_cast<scalar_t>(acc);
+          op_[n * k + j] = static_cast<scalar_t>(r >= 0 ? dot_row(ap + n * D, rowp + r * D, D) : acc_t(0));
         }
       }
     });

@@ -20,6 +20,7 @@
 
 #include "../common.h"
 #include "bf16_gemm.h"
+#include "rows.h"
 
 namespace minagi {
 namespace {
@@ -115,14 +116,6 @@ void run_parts(const std::vector<Part>& parts, F&& fn) {
 // the weights' bytes are the whole cost of such a product.
 constexpr int64_t kSmallRows = 4;
 constexpr int64_t kSmallCols = 1024;  // the accumulators stay in L1
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-// Built for the baseline ISA (no -march=native); where the CPU has AVX2 + FMA, the loop below runs
-// from a clone compiled for them, picked at load time.
-#define MINAGI_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MINAGI_SIMD_CLONES
-#endif
 
 template <typename scalar_t>
 MINAGI_SIMD_CLONES void small_rows_mm(const scalar_t* __restrict a, int64_t lda, const scalar_t* __restrict b,
@@ -385,31 +378,8 @@ MINAGI_SIMD_CLONES void oai_bwd_row(const scalar_t* __restrict grad, const scala
   }
 }
 
-// bfloat16 <-> float32 as bit operations the vectoriser takes (c10::BFloat16's own conversions,
-// through a struct, kept the bfloat16 activation loops scalar): widening is exact, narrowing rounds
-// to nearest even with NaN kept NaN, as c10::BFloat16 does.
-MINAGI_SIMD_CLONES void bf16_to_float(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-    std::memcpy(y + i, &bits, sizeof(float));
-  }
-}
-
-MINAGI_SIMD_CLONES void float_to_bf16(const float* __restrict y, uint16_t* __restrict x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, y + i, sizeof(u));
-    const uint16_t v = static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
-    x[i] = y[i] != y[i] ? uint16_t{0x7FC0} : v;
-  }
-}
-
 // An interleaved form's bfloat16 row (h [2W], gate and up alternating) through its float32 loop:
 // chunks widened to float32, row_fn(hf, of, n) or, backward, row_fn(gf, hf, ghf, n), narrowed back.
-constexpr int64_t kActChunk = 256;  // outputs per chunk: a few KiB on the stack
-
 template <typename RowFn>
 void interleaved_fwd_bf16(const at::BFloat16* h, at::BFloat16* o, int64_t W, RowFn&& row_fn) {
   alignas(64) float hf[2 * kActChunk], of[kActChunk];
@@ -749,26 +719,16 @@ void gather_pair_rows(scalar_t* tile, const scalar_t* src, const int64_t* row_pa
 // the pair's gate gradient <g_r, a_r>, then g_r and (where tile is given) the row's tile row times
 // the pair's gate. g_r is the row of grad_y b^T.
 template <typename scalar_t>
-MINAGI_SIMD_CLONES void gate_rows(scalar_t* __restrict g, const scalar_t* __restrict a, scalar_t* __restrict tile,
-                                  const int64_t* __restrict row_pair, const scalar_t* __restrict gates,
-                                  scalar_t* __restrict grad_gates, int64_t nr, int64_t I, int64_t D) {
+void gate_rows(scalar_t* g, const scalar_t* a, scalar_t* tile, const int64_t* row_pair, const scalar_t* gates,
+               scalar_t* grad_gates, int64_t nr, int64_t I, int64_t D) {
   using acc_t = at::opmath_type<scalar_t>;
   for (int64_t i = 0; i < nr; ++i) {
     const int64_t pair = row_pair[i];
     if (pair < 0) continue;
-    scalar_t* gr = g + i * I;
-    const scalar_t* ar = a + i * I;
-    acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t c = 0; c < I; ++c) dot += static_cast<acc_t>(gr[c]) * static_cast<acc_t>(ar[c]);
-    grad_gates[pair] = static_cast<scalar_t>(dot);
+    grad_gates[pair] = static_cast<scalar_t>(dot_row(g + i * I, a + i * I, I));
     const acc_t w = static_cast<acc_t>(gates[pair]);
-#pragma omp simd
-    for (int64_t c = 0; c < I; ++c) gr[c] = static_cast<scalar_t>(w * static_cast<acc_t>(gr[c]));
-    if (tile == nullptr) continue;
-    scalar_t* t = tile + i * D;
-#pragma omp simd
-    for (int64_t c = 0; c < D; ++c) t[c] = static_cast<scalar_t>(w * static_cast<acc_t>(t[c]));
+    scale_row(g + i * I, w, I);
+    if (tile != nullptr) scale_row(tile + i * D, w, D);
   }
 }
 

@@ -262,6 +262,30 @@ def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("M", [1, 17, 40, 95])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
+def test_bias_starts_the_sums(compiled, M, transposed, dtype):
+    # The own kernels start each row's sums from its slot's bias (grouped_mm_act's h, and
+    # gather_mm_act's tiles): every column of a 32-column block and past it, every row remainder.
+    rows = torch.tensor([5, 6, 7, 8, 9, 13, 17, 40])
+    ids = torch.randperm(len(rows))
+    a = torch.randn(int(rows.sum()), 24).to(dtype)
+    b = (torch.randn(len(rows), M, 24).mT if transposed else torch.randn(len(rows), 24, M)) / 24 ** 0.5
+    b, bias = b.to(dtype), torch.randn(len(rows), M).to(dtype)
+    h, out = compiled.grouped_mm_act(a, b, bias, ids, rows, "relu2", 1.0, 0.0)
+    want_h, want = REF.grouped_mm_act(a.double(), b.double(), bias.double(), ids, rows, "relu2", 1.0, 0.0)
+    assert_close(h, want_h, dtype, msg="h")
+    assert_close(out, want, dtype, scale=4, msg="relu2")
+    # gather_mm_act: the same bias on the gathered rows of a plan
+    slot_idx = sink_routing(60, len(rows), 2, 50)
+    _, order, srows, row_pair, dest = _plan(slot_idx, len(rows), 0, False)
+    x = torch.randn(60, 24).to(dtype)
+    args = (x, b, bias, order, srows, row_pair, dest, "relu2", 1.0, 0.0)
+    want = REF.gather_mm_act(x.double(), b.double(), bias.double(), *args[3:])
+    assert_close(compiled.gather_mm_act(*args), want, dtype, scale=4, msg="gather_mm_act")
+
+
 @pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (64, 64), (130, 95)])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
 def test_weight_gradients_slot_shapes(compiled, K, M, dtype):

@@ -105,9 +105,11 @@ MINAGI_BF16_TARGET inline void pack_block(const uint16_t* b, int64_t sk, int64_t
 template <int R>
 MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb, int64_t K,
                                      uint16_t* out, int64_t ldo, int64_t nn, const Source& next, int64_t q0,
-                                     int64_t q1, bool stream) {
+                                     int64_t q1, bool stream, const float* bias) {
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512 c0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 c1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r][0] = c0, acc[r][1] = c1;
   const int64_t full = K / 2;
   Prefetch pf(next, q0, q1, full);
   for (int64_t c = 0, C = pf.chunks(); c < C; ++c) {
@@ -150,10 +152,10 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
 template <int R>
 MINAGI_BF16_TARGET inline void rows_tail(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb, int64_t K,
                                          uint16_t* out, int64_t ldo, int64_t nn, int64_t left, const Source& next,
-                                         int64_t q0, int64_t q1, bool stream) {
+                                         int64_t q0, int64_t q1, bool stream, const float* bias) {
   if constexpr (R > 0) {
-    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1, stream);
-    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1, stream);
+    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1, stream, bias);
+    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1, stream, bias);
   }
 }
 
@@ -161,14 +163,15 @@ MINAGI_BF16_TARGET inline void rows_tail(const uint16_t* a, int64_t ra, int64_t 
 // spread over the tiles.
 MINAGI_BF16_TARGET inline void rows_times_block(const uint16_t* a, int64_t ra, int64_t pa, const uint16_t* pb,
                                                 int64_t K, uint16_t* out, int64_t ldo, int64_t nr, int64_t nn,
-                                                const Source& next = Source{}, bool stream = false) {
+                                                const Source& next = Source{}, bool stream = false,
+                                                const float* bias = nullptr) {
   const int64_t tiles = (nr + kRows - 1) / kRows, Q = next.lines();
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;
     if (r + kRows <= nr) {
-      micro<kRows>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, next, q0, q1, stream);
+      micro<kRows>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, next, q0, q1, stream, bias);
     } else {
-      rows_tail<kRows - 1>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, nr - r, next, q0, q1, stream);
+      rows_tail<kRows - 1>(a + r * ra, ra, pa, pb, K, out + r * ldo, ldo, nn, nr - r, next, q0, q1, stream, bias);
     }
   }
 }
@@ -176,16 +179,25 @@ MINAGI_BF16_TARGET inline void rows_times_block(const uint16_t* a, int64_t ra, i
 }  // namespace bf16_dot
 
 // out[nr, N] (rows ldo apart) = a[nr, K] (rows lda apart) x b, b[k, n] at b + k * sk + n * sn with
-// sk == 1 or sn == 1; float32 accumulation, rounded once. scratch holds bf16_dot::block_elems(K).
+// sk == 1 or sn == 1; float32 accumulation (from the bias, N values or null), rounded once. scratch
+// holds bf16_dot::block_elems(K).
 MINAGI_BF16_TARGET inline void bf16_dot_gemm(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t sk, int64_t sn,
                                              uint16_t* out, int64_t ldo, int64_t nr, int64_t K, int64_t N,
-                                             uint16_t* scratch) {
+                                             uint16_t* scratch, const uint16_t* bias = nullptr) {
   using namespace bf16_dot;
+  alignas(64) float bias_blk[kCols];
   for (int64_t n0 = 0; n0 < N; n0 += kCols) {
     const int64_t nn = std::min(kCols, N - n0);
     pack_block(b, sk, sn, K, n0, nn, scratch);
+    if (bias) {  // widened to float32: it starts the sums
+      const __mmask32 mask = nn >= kCols ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << nn) - 1);
+      const __m512i v = _mm512_maskz_loadu_epi16(mask, bias + n0);
+      _mm512_store_si512(bias_blk, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      _mm512_store_si512(bias_blk + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    }
     rows_times_block(a, lda, 2, scratch, K, out + n0, ldo, nr, nn,
-                     block_source(b, 2, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols)));
+                     block_source(b, 2, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols)), false,
+                     bias ? bias_blk : nullptr);
   }
 }
 

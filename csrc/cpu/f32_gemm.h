@@ -142,9 +142,11 @@ MINAGI_AVX512_TARGET inline void pack_block(const float* b, int64_t sk, int64_t 
 template <int R>
 MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K, float* out,
                                        int64_t ldo, int64_t nn, const Source& next, int64_t q0, int64_t q1,
-                                       bool stream) {
+                                       bool stream, const float* bias) {
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512 c0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 c1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r][0] = c0, acc[r][1] = c1;
   Prefetch pf(next, q0, q1, K);
   for (int64_t c = 0, C = pf.chunks(); c < C; ++c) {
     pf.issue();
@@ -176,10 +178,10 @@ MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, c
 template <int R>
 MINAGI_AVX512_TARGET inline void rows_tail(const float* a, int64_t ra, int64_t pa, const float* pb, int64_t K,
                                            float* out, int64_t ldo, int64_t nn, int64_t left, const Source& next,
-                                           int64_t q0, int64_t q1, bool stream) {
+                                           int64_t q0, int64_t q1, bool stream, const float* bias) {
   if constexpr (R > 0) {
-    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1, stream);
-    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1, stream);
+    if (left == R) return micro<R>(a, ra, pa, pb, K, out, ldo, nn, next, q0, q1, stream, bias);
+    rows_tail<R - 1>(a, ra, pa, pb, K, out, ldo, nn, left, next, q0, q1, stream, bias);
   }
 }
 
@@ -188,24 +190,31 @@ MINAGI_AVX512_TARGET inline void rows_tail(const float* a, int64_t ra, int64_t p
 // out[nr, N] (rows ldo apart) = a x b, with a's row r value k at a + r * ra + k * pa and b[k, n] at
 // b + k * sk + n * sn (sk == 1 or sn == 1). Each output is one sequential sum over k, whatever nr
 // and the caller's split of rows or columns. scratch holds K * 32 floats. With `stream` (see
-// stream_rows) whole aligned blocks of out are written past the cache.
+// stream_rows) whole aligned blocks of out are written past the cache. A bias (N values, or null)
+// starts every row's sums, so it costs no pass of its own over out.
 MINAGI_AVX512_TARGET inline void f32_gemm(const float* a, int64_t ra, int64_t pa, const float* b, int64_t sk,
                                           int64_t sn, float* out, int64_t ldo, int64_t nr, int64_t K, int64_t N,
-                                          float* scratch, bool stream = false) {
+                                          float* scratch, bool stream = false, const float* bias = nullptr) {
   using namespace f32_fma;
   const int64_t tiles = (nr + kRows - 1) / kRows;
+  alignas(64) float bias_blk[kCols];
   for (int64_t n0 = 0; n0 < N; n0 += kCols) {
     const int64_t nn = std::min(kCols, N - n0);
     pack_block(b, sk, sn, K, n0, nn, scratch);
+    if (bias) {
+      _mm512_store_ps(bias_blk, _mm512_maskz_loadu_ps(lanes(nn), bias + n0));
+      _mm512_store_ps(bias_blk + 16, _mm512_maskz_loadu_ps(lanes(nn - 16), bias + n0 + 16));
+    }
+    const float* blk_bias = bias ? bias_blk : nullptr;
     const Source next = block_source(b, 4, sk, sn, K, n0 + kCols, std::min(kCols, N - n0 - kCols));
     const int64_t Q = next.lines();
     for (int64_t t = 0; t < tiles; ++t) {  // the next block's lines spread over this block's tiles
       const int64_t r = t * kRows, q0 = t * Q / tiles, q1 = (t + 1) * Q / tiles;
       if (r + kRows <= nr) {
-        micro<kRows>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, next, q0, q1, stream);
+        micro<kRows>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, next, q0, q1, stream, blk_bias);
       } else {
         rows_tail<kRows - 1>(a + r * ra, ra, pa, scratch, K, out + r * ldo + n0, ldo, nn, nr - r, next, q0, q1,
-                             stream);
+                             stream, blk_bias);
       }
     }
   }

@@ -199,13 +199,13 @@ T* thread_scratch(int64_t n, std::vector<T>& own) {
 // where bf16_dot_available().
 template <typename scalar_t>
 void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
-                  int64_t ldo, int64_t nr, int64_t K, int64_t M) {
+                  int64_t ldo, int64_t nr, int64_t K, int64_t M, const scalar_t* bias) {
 #ifdef MINAGI_BF16_DOT
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     std::vector<uint16_t> own;
     uint16_t* scratch = thread_scratch<uint16_t, Scratch::kPack>(bf16_dot::block_elems(K), own);
     bf16_dot_gemm(reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), sk, sn,
-                  reinterpret_cast<uint16_t*>(out), ldo, nr, K, M, scratch);
+                  reinterpret_cast<uint16_t*>(out), ldo, nr, K, M, scratch, reinterpret_cast<const uint16_t*>(bias));
     return;
   }
 #endif
@@ -216,12 +216,12 @@ void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk,
 // where avx512_available().
 template <typename scalar_t>
 void f32_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
-                 int64_t ldo, int64_t nr, int64_t K, int64_t M) {
+                 int64_t ldo, int64_t nr, int64_t K, int64_t M, const scalar_t* bias) {
 #ifdef MINAGI_AVX512
   if constexpr (std::is_same_v<scalar_t, float>) {
     std::vector<float> own;
     float* scratch = thread_scratch<float, Scratch::kPack>(K * f32_fma::kCols, own);
-    f32_gemm(a, lda, 1, b, sk, sn, out, ldo, nr, K, M, scratch);
+    f32_gemm(a, lda, 1, b, sk, sn, out, ldo, nr, K, M, scratch, false, bias);
     return;
   }
 #endif
@@ -263,10 +263,12 @@ void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y, bool str
 }
 
 // out[nr, M] (rows M apart) = a[nr, K] (rows K apart) times slot `slot` of b ([S, K, M], any
-// strides): a few rows through the streaming kernels above, more through the own AVX-512 kernels
-// (float32, bfloat16) where the CPU has them, else ATen's mm (the BLAS).
+// strides), plus bias (M values) where given: a few rows through the streaming kernels above, more
+// through the own AVX-512 kernels (float32, bfloat16; the bias starts their sums) where the CPU
+// has them, else ATen's mm (the BLAS).
 template <typename scalar_t>
-void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out, int64_t nr) {
+void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out, int64_t nr,
+             const scalar_t* bias = nullptr) {
   const int64_t K = b.size(1), M = b.size(2);
   const scalar_t* bp = b.data_ptr<scalar_t>() + slot * b.stride(0);
   if (nr <= kSmallRows && b.stride(2) == 1) {
@@ -275,21 +277,23 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
     small_rows_mm_cols<scalar_t>(a, K, bp, b.stride(2), out, M, nr, K, M);
   } else if (std::is_same_v<scalar_t, at::BFloat16> && (b.stride(1) == 1 || b.stride(2) == 1) &&
              K <= kBf16DotMaxInner && bf16_dot_available()) {
-    bf16_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
+    return bf16_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);
   } else if (std::is_same_v<scalar_t, float> && (b.stride(1) == 1 || b.stride(2) == 1) && K <= kF32MaxInner &&
              avx512_available()) {
-    f32_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
+    return f32_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);
   } else {
     at::Tensor o = at::from_blob(out, {nr, M}, b.options());
     at::cpu::mm_out(o, at::from_blob(const_cast<scalar_t*>(a), {nr, K}, b.options()), b.select(0, slot));
   }
+  if (bias) at::from_blob(out, {nr, M}, b.options()).add_(at::from_blob(const_cast<scalar_t*>(bias), {M}, b.options()));
 }
 
-// out = a's row ranges times their slots' weights (b read in place, any strides), one part at a
-// time; epilogue(slot, row0, rows) runs right after each part's GEMM on the same thread, while
-// the part's output rows are still in cache.
+// out = a's row ranges times their slots' weights (b read in place, any strides), plus their slots'
+// rows of bias ([S, M], contiguous) where defined, one part at a time; epilogue(slot, row0, rows)
+// runs right after each part's GEMM on the same thread, while the part's output rows are still in
+// cache.
 template <typename Epilogue>
-void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_ids,
+void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, const at::Tensor& slot_ids,
                      const std::vector<int64_t>& start, at::Tensor& out, Epilogue&& epilogue) {
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
   const int64_t K = a.size(1), M = b.size(2);
@@ -298,7 +302,8 @@ void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
       const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
       if (hi <= lo) return;
       slot_mm<scalar_t>(a.data_ptr<scalar_t>() + (p.r0 + lo) * K, b, p.slot,
-                        out.data_ptr<scalar_t>() + (p.r0 + lo) * M, hi - lo);
+                        out.data_ptr<scalar_t>() + (p.r0 + lo) * M, hi - lo,
+                        bias.defined() ? bias.data_ptr<scalar_t>() + p.slot * M : nullptr);
       epilogue(p.slot, p.r0 + lo, hi - lo);
     });
   });
@@ -310,7 +315,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   const at::Tensor a = a_in.contiguous();
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), "grouped_mm", false);
   at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
-  grouped_mm_into(a, b, slot_ids, start, out, [](int64_t, int64_t, int64_t) {});
+  grouped_mm_into(a, b, at::Tensor(), slot_ids, start, out, [](int64_t, int64_t, int64_t) {});
   return out;
 }
 
@@ -575,10 +580,8 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cpu(const at::Tensor& a_in, co
   at::Tensor h = empty_output({a.size(0), M}, a.options());
   at::Tensor out = empty_output({a.size(0), act_gated(act) ? M / 2 : M}, a.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
-  grouped_mm_into(a, b, slot_ids, start, h, [&](int64_t slot, int64_t r0, int64_t nr) {
-    at::Tensor hr = h.narrow(0, r0, nr);
-    if (bias.defined()) hr.add_(bias.select(0, slot));
-    act_forward(act, hr, out.narrow(0, r0, nr), alpha, limit);
+  grouped_mm_into(a, b, bias, slot_ids, start, h, [&](int64_t, int64_t r0, int64_t nr) {
+    act_forward(act, h.narrow(0, r0, nr), out.narrow(0, r0, nr), alpha, limit);
   });
   return {h, out};
 }
@@ -836,10 +839,8 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
         scalar_t* tile = thread_scratch<scalar_t>(nr * (D + M), own);
         scalar_t* h = tile + nr * D;
         gather_pair_rows(tile, xp, rp + r0, nr, k, D);
-        slot_mm<scalar_t>(tile, b, p.slot, h, nr);
-        at::Tensor h_t = at::from_blob(h, {nr, M}, x.options());
-        if (bias.defined()) h_t.add_(bias.select(0, p.slot));
-        act_forward(act, h_t, out.narrow(0, r0, nr), alpha, limit);
+        slot_mm<scalar_t>(tile, b, p.slot, h, nr, bias.defined() ? bias.data_ptr<scalar_t>() + p.slot * M : nullptr);
+        act_forward(act, at::from_blob(h, {nr, M}, x.options()), out.narrow(0, r0, nr), alpha, limit);
       }
     });
   });

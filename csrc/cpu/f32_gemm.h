@@ -1,8 +1,8 @@
 // One slot's float32 GEMM on AVX-512 FMAs, without a call into ATen. ATen's mm goes to MKL's sgemm,
-// which reached 58-77 GFLOP/s of this CPU's 117 on one thread at the slots' shapes (32-128 rows
-// over K 512), and its torch.bmm over all experts no more (tools/bf16_gemm_probe.py). The same
-// product from a column block packed in the thread's cache and 8 rows at a time runs 66-93: the
-// packing is one pass over 32 columns, and a block's next one is prefetched while it is used.
+// which reached 57-86 GFLOP/s a core at the slots' shapes (32-128 rows over an inner size of 512),
+// and its torch.bmm over all experts no more (tools/bf16_gemm_probe.py). The same products from a
+// column block packed in the thread's cache, 8 rows at a time, run at 75-99: the packing is one
+// pass over 32 columns, and a block's next one is prefetched while it is used.
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
 // attribute, and callers ask avx512_available() (CPUID, once) before calling them.

@@ -324,7 +324,9 @@ def test_weight_gradients_past_the_cache(compiled, dtype):
     # whole aligned 64-byte lines (the own kernels' stream_rows), with ordinary stores elsewhere:
     # both kinds of rows, in grouped_mm_wgrad and scatter_mm_backward, an empty slot among them.
     S, K = 64, 256
-    for M in (512, 520):  # 520: rows that are not whole lines take the ordinary stores
+    # 520: rows that are not whole lines take the ordinary stores; 528: whole lines, but in float32
+    # a last column block 16 wide (a whole block's streamed stores would pass the row's end)
+    for M in (512, 520, 528):
         rows = torch.tensor([5 + i % 8 for i in range(S - 1)] + [0])
         ids = torch.randperm(S)
         a = torch.randn(int(rows.sum()), K).to(dtype)
@@ -343,6 +345,19 @@ def test_weight_gradients_past_the_cache(compiled, dtype):
     assert got[1].nbytes >= 16 << 20
     for x, y, what in zip(got[:2], want[:2], ("grad_a", "grad_b")):  # grad_gates: the slot-shape test
         assert_close(x, y, dtype, scale=2, msg=what)
+    # a busy slot's columns split across 3 threads: parts 688 columns wide (16-aligned), so a
+    # part's last column block is 16 wide and its neighbour's columns are another thread's
+    rows = torch.tensor([300, 5, 7, 9])
+    a, g = torch.randn(int(rows.sum()), 2 * K).to(dtype), torch.randn(int(rows.sum()), 2048).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        got = compiled.grouped_mm_wgrad(a, g, torch.arange(4), rows, 8)
+    finally:
+        torch.set_num_threads(threads)
+    assert got.nbytes >= 16 << 20
+    assert_close(got, REF.grouped_mm_wgrad(a.double(), g.double(), torch.arange(4), rows, 8), dtype, scale=2,
+                 msg="split columns")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -137,7 +137,7 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
     }
   }
   // round to nearest even (denormals flush to zero, as in vdpbf16ps itself)
-  if (stream_rows(stream, out, nn * 2, ldo * 2)) {
+  if (stream_rows(stream, nn == kCols, out, kCols * 2, ldo * 2)) {
     for (int r = 0; r < R; ++r) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * ldo), (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
     }

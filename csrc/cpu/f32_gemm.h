@@ -18,7 +18,9 @@
 // GCC's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* values.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace minagi {
@@ -99,9 +101,11 @@ struct Prefetch {
 
 // Whether a tile's rows of out go straight to memory (non-temporal stores): asked for (a weight
 // gradient too large to stay in cache, whose lines then are not read for ownership first, about a
-// fifth of such a GEMM's time from memory), its rows whole 64-byte lines, and aligned.
-inline bool stream_rows(bool stream, const void* out, int64_t row_bytes, int64_t ldo_bytes) {
-  return stream && row_bytes % 64 == 0 && ldo_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+// fifth of such a GEMM's time from memory), the tile a whole column block (a partial block's
+// stores would cover columns past it), and its rows whole aligned 64-byte lines.
+inline bool stream_rows(bool stream, bool whole_block, const void* out, int64_t row_bytes, int64_t ldo_bytes) {
+  return stream && whole_block && row_bytes % 64 == 0 && ldo_bytes % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(out) % 64 == 0;
 }
 
 namespace f32_fma {
@@ -161,7 +165,7 @@ MINAGI_AVX512_TARGET inline void micro(const float* a, int64_t ra, int64_t pa, c
       }
     }
   }
-  if (stream_rows(stream, out, nn * 4, ldo * 4)) {
+  if (stream_rows(stream, nn == kCols, out, kCols * 4, ldo * 4)) {
     for (int r = 0; r < R; ++r) {
       _mm512_stream_ps(out + r * ldo, acc[r][0]);
       _mm512_stream_ps(out + r * ldo + 16, acc[r][1]);

@@ -139,7 +139,8 @@ MINAGI_BF16_TARGET inline void micro(const uint16_t* a, int64_t ra, int64_t pa, 
   // round to nearest even (denormals flush to zero, as in vdpbf16ps itself)
   if (stream_rows(stream, nn == kCols, out, kCols * 2, ldo * 2)) {
     for (int r = 0; r < R; ++r) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * ldo), (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * ldo),
+                          (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
     }
     return;
   }
@@ -202,8 +203,9 @@ MINAGI_BF16_TARGET inline void bf16_dot_gemm(const uint16_t* a, int64_t lda, con
 }
 
 // A weight gradient: out[M, N] (rows ldo apart) = x[nr, M]^T y[nr, N] (rows ldx and ldy apart), the
-// sum over the nr rows; `stream` as in f32_gemm. y is packed whole (bf16_dot_wgrad_scratch(nr, N) elements, then one block of
-// x's columns); x's columns are packed 32 at a time into the rows of the transposed operand.
+// sum over the nr rows; `stream` as in f32_gemm. y is packed whole (bf16_dot_wgrad_scratch(nr, N)
+// elements, then one block of x's columns); x's columns are packed 32 at a time into the rows of
+// the transposed operand.
 inline int64_t bf16_dot_wgrad_scratch(int64_t nr, int64_t N) {
   return (bf16_dot::ceil_blocks(N) + 1) * bf16_dot::block_elems(nr);
 }

@@ -6,25 +6,14 @@ gradient ops. Where a fused op costs more than its GEMMs alone, the difference i
 
     MINAGI_ALLOCATOR=keep python tools/row_ops_probe.py [--threads 1]
 
-Prints ms per call (median of 9). Nothing else may run beside it.
+Prints ms per call (median of 5, after a warm-up call). Nothing else may run beside it.
 """
 import argparse
-import time
 
 import torch
+from bf16_gemm_probe import median_ms  # tools/ is sys.path[0] when run as a script
 
 N, S, K, I, D = 2048, 128, 8, 192, 512  # tokens, experts, top-k, expert width, hidden
-
-
-def median_ms(fn, n: int = 9) -> float:
-    fn()
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[n // 2] * 1e3
 
 
 def main(argv=None) -> int:

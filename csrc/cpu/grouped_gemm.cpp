@@ -195,11 +195,21 @@ T* thread_scratch(int64_t n, std::vector<T>& own) {
   return buf.data();
 }
 
-// bf16_dot_gemm (csrc/cpu/bf16_gemm.h) with this thread's packing scratch; only reached for bfloat16
-// where bf16_dot_available().
+// Whether slot_mm's own AVX-512 kernels take a slot of this dtype (float32: f32_gemm.h; bfloat16:
+// bf16_gemm.h): weights with a unit stride in one of their two dimensions, an inner size they do
+// not need to block over, and the CPU's instructions (CPUID, checked once).
 template <typename scalar_t>
-void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
-                  int64_t ldo, int64_t nr, int64_t K, int64_t M, const scalar_t* bias) {
+bool own_kernel_takes(const at::Tensor& b) {
+  if (b.stride(1) != 1 && b.stride(2) != 1) return false;
+  if constexpr (std::is_same_v<scalar_t, float>) return b.size(1) <= kF32MaxInner && avx512_available();
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return b.size(1) <= kBf16DotMaxInner && bf16_dot_available();
+  return false;
+}
+
+// The own kernel with this thread's packing scratch; only reached where own_kernel_takes.
+template <typename scalar_t>
+void own_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
+                 int64_t ldo, int64_t nr, int64_t K, int64_t M, const scalar_t* bias) {
 #ifdef MINAGI_BF16_DOT
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     std::vector<uint16_t> own;
@@ -209,14 +219,6 @@ void bf16_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk,
     return;
   }
 #endif
-  TORCH_INTERNAL_ASSERT(false, "bf16_slot_mm without AVX512-BF16");
-}
-
-// f32_gemm (csrc/cpu/f32_gemm.h) with this thread's packing scratch; only reached for float32
-// where avx512_available().
-template <typename scalar_t>
-void f32_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
-                 int64_t ldo, int64_t nr, int64_t K, int64_t M, const scalar_t* bias) {
 #ifdef MINAGI_AVX512
   if constexpr (std::is_same_v<scalar_t, float>) {
     std::vector<float> own;
@@ -225,7 +227,7 @@ void f32_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, 
     return;
   }
 #endif
-  TORCH_INTERNAL_ASSERT(false, "f32_slot_mm without AVX-512");
+  TORCH_INTERNAL_ASSERT(false, "own_slot_mm without its AVX-512 kernel");
 }
 
 // A weight gradient of at least this many bytes is written past the cache: it is read next by the
@@ -275,12 +277,8 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
     small_rows_mm<scalar_t>(a, K, bp, b.stride(1), out, M, nr, K, M);
   } else if (nr <= kSmallRows && b.stride(1) == 1) {
     small_rows_mm_cols<scalar_t>(a, K, bp, b.stride(2), out, M, nr, K, M);
-  } else if (std::is_same_v<scalar_t, at::BFloat16> && (b.stride(1) == 1 || b.stride(2) == 1) &&
-             K <= kBf16DotMaxInner && bf16_dot_available()) {
-    return bf16_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);
-  } else if (std::is_same_v<scalar_t, float> && (b.stride(1) == 1 || b.stride(2) == 1) && K <= kF32MaxInner &&
-             avx512_available()) {
-    return f32_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);
+  } else if (own_kernel_takes<scalar_t>(b)) {
+    return own_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);  // the bias starts its sums
   } else {
     at::Tensor o = at::from_blob(out, {nr, M}, b.options());
     at::cpu::mm_out(o, at::from_blob(const_cast<scalar_t*>(a), {nr, K}, b.options()), b.select(0, slot));

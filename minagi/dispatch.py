@@ -456,12 +456,18 @@ def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH
     if valid_NK is not None:
         slot_idx_NK, gates_NK = torch.where(valid_NK, slot_idx_NK, 0), torch.where(valid_NK, gates_NK, 0)
     ids_R = slot_idx_NK.reshape(-1)
-    rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
-    pair_R = torch.arange(N * K, device=dev)
-    x_RD = ops.bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
+    if N > 1 and dev.type == "cpu":  # the ids are on the host already: one range per slot
+        ids_R, pair_R = ids_R.sort(stable=True)
+        ids_R, rows_R = torch.unique_consecutive(ids_R, return_counts=True)
+        dest_NK = torch.empty_like(pair_R).scatter_(0, pair_R, torch.arange(N * K)).view(N, K)
+    else:
+        rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
+        pair_R = torch.arange(N * K, device=dev)
+        dest_NK = pair_R.view(N, K)
+    x_RD = ops.bucketed_gather(x_ND, pair_R, dest_NK, None)
     h_RH = _first_layer(ops, x_RD, w_in_SDH, b_in_SH, ids_R, rows_R, form)
     out_RD = _second_layer(ops, h_RH, w_out_SHD, ids_R, rows_R, post)
-    return ops.weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK), rows_R
+    return ops.weighted_scatter(out_RD, dest_NK, pair_R, gates_NK), rows_R
 
 
 def _add_out_bias(y_ND, b_out_SD, slot_idx_NK, gates_NK, kept_NK):

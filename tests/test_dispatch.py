@@ -257,6 +257,22 @@ def test_decode_path_skips_the_plan(monkeypatch, path, N):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_decode_reads_each_slot_once(path):
+    # On the CPU the pairs of a few characters that share a slot become one range of that slot:
+    # its weights are read once, not once per character.
+    slot_idx = torch.tensor([[0, 1], [1, 0], [2, 1], [1, 3]])
+    x, w_in, w_out = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
+        torch.randn(4, 12, 8, dtype=torch.float64)
+    gates = torch.softmax(torch.randn(4, 2, dtype=torch.float64), 1)
+    ops = minagi.ops.compiled() if path == "compiled" else minagi.ops.REFERENCE
+    with torch.no_grad():
+        form = minagi.dispatch.Form.of("gelu", 1.702, 7.0)
+        y, rows = minagi.dispatch._decode(ops, x, slot_idx, gates, w_in, w_out, form, None, None, None)
+    assert rows.tolist() == [2, 4, 1, 1]
+    assert_close(y, expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle"))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_decode_path_gives_way_where_it_would_be_wrong(monkeypatch, path):
     # Capacity can drop pairs of several characters, and a weight gradient needs each slot once:
     # those calls take the planned path, and still agree with the rectangle.

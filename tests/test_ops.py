@@ -262,6 +262,38 @@ def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (257, 1027)])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
+def test_few_rows_kernels(compiled, K, M, transposed, dtype):
+    # Writing's products: ranges of 1 to 4 rows (and an empty one), through csrc/cpu/small_rows.h
+    # where the CPU has AVX-512 (the portable loops elsewhere), in both weight layouts, with every
+    # remainder of their 16/32-value steps and of the 512-column chunk. On one thread each range
+    # is one part; on several, every range's columns are shared out (small_ranges_by_columns) and
+    # the bias is added to each part's columns, then the activation runs once over all rows.
+    rows = torch.tensor([1, 2, 0, 3, 4, 1])
+    ids = torch.tensor([3, 0, 5, 3, 1, 2])
+    a = torch.randn(int(rows.sum()), K).to(dtype)
+    b = (torch.randn(6, M, K).mT if transposed else torch.randn(6, K, M)) / K ** 0.5
+    b, bias = b.to(dtype), torch.randn(6, M).to(dtype)
+    want = REF.grouped_mm(a.double(), b.double(), ids, rows)
+    want_h, want_act = REF.grouped_mm_act(a.double(), b.double(), bias.double(), ids, rows, "relu2", 1.0, 0.0)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert_close(compiled.grouped_mm(a, b, ids, rows), want, dtype, msg=f"{n} threads")
+            h, act = compiled.grouped_mm_act(a, b, bias, ids, rows, "relu2", 1.0, 0.0)
+            assert_close(h, want_h, dtype, msg=f"h, {n} threads")
+            assert_close(act, want_act, dtype, scale=4, msg=f"relu2, {n} threads")
+            if M % 2 == 0:  # a gated form's halves meet only after every part's columns are done
+                got = compiled.grouped_mm_act(a, b, None, ids, rows, "swiglu", 1.0, 0.0)[1]
+                gated = REF.grouped_mm_act(a.double(), b.double(), None, ids, rows, "swiglu", 1.0, 0.0)[1]
+                assert_close(got, gated, dtype, scale=4, msg=f"swiglu, {n} threads")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("M", [1, 17, 40, 95])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)

@@ -21,6 +21,7 @@
 #include "../common.h"
 #include "bf16_gemm.h"
 #include "rows.h"
+#include "small_rows.h"
 
 namespace minagi {
 namespace {
@@ -94,11 +95,11 @@ inline std::pair<int64_t, int64_t> part_range(int64_t size, int64_t p, int64_t n
   return {std::min(size, p * step), std::min(size, (p + 1) * step)};
 }
 
-template <typename F>
-void run_parts(const std::vector<Part>& parts, F&& fn) {
+template <typename P, typename F>
+void run_parts(const std::vector<P>& parts, F&& fn) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(parts.size()));
   if (threads <= 1 || at::in_parallel_region()) {
-    for (const Part& part : parts) fn(part);
+    for (const P& part : parts) fn(part);
     return;
   }
   // Worker threads need the caller's dispatch state (autograd is excluded below this kernel).
@@ -177,6 +178,17 @@ MINAGI_SIMD_CLONES void small_rows_mm_cols(const scalar_t* __restrict a, int64_t
     }
     for (int64_t r = 0; r < nr; ++r) out[r * ldo + m] = static_cast<scalar_t>(y[r]);
   }
+}
+
+// nr <= kSmallRows rows times a slot's weights b[k, m] at b + k * sk + m * sn (sk == 1 or sn == 1):
+// small_rows.h's AVX-512 kernels where the CPU has them, else the portable loops above.
+template <typename scalar_t>
+void few_rows_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
+                 int64_t ldo, int64_t nr, int64_t K, int64_t M) {
+  static_assert(kSmallRows <= small_rows::kMaxRows);
+  if (small_rows::run<scalar_t>(a, lda, b, sk, sn, out, ldo, nr, K, M)) return;
+  if (sn == 1) return small_rows_mm<scalar_t>(a, lda, b, sk, out, ldo, nr, K, M);
+  small_rows_mm_cols<scalar_t>(a, lda, b, sn, out, ldo, nr, K, M);
 }
 
 // n elements of scratch for this thread, kept for its next call: a fresh block of a tile's size
@@ -273,10 +285,8 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
              const scalar_t* bias = nullptr) {
   const int64_t K = b.size(1), M = b.size(2);
   const scalar_t* bp = b.data_ptr<scalar_t>() + slot * b.stride(0);
-  if (nr <= kSmallRows && b.stride(2) == 1) {
-    small_rows_mm<scalar_t>(a, K, bp, b.stride(1), out, M, nr, K, M);
-  } else if (nr <= kSmallRows && b.stride(1) == 1) {
-    small_rows_mm_cols<scalar_t>(a, K, bp, b.stride(2), out, M, nr, K, M);
+  if (nr <= kSmallRows && (b.stride(2) == 1 || b.stride(1) == 1)) {
+    few_rows_mm<scalar_t>(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
   } else if (own_kernel_takes<scalar_t>(b)) {
     return own_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);  // the bias starts its sums
   } else {
@@ -286,15 +296,72 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
   if (bias) at::from_blob(out, {nr, M}, b.options()).add_(at::from_blob(const_cast<scalar_t*>(bias), {M}, b.options()));
 }
 
+// One range's output columns [c0, c1): a part of small_ranges_by_columns.
+struct ColumnPart {
+  int64_t slot, r0, nr, c0, c1;
+};
+
+// Whether every range is a few rows (writing a handful of characters) and b's layout is one the
+// small-row kernels read in place, so that small_ranges_by_columns takes the call.
+bool ranges_all_small(const std::vector<int64_t>& start, const at::Tensor& b) {
+  for (size_t i = 0; i + 1 < start.size(); ++i) {
+    if (start[i + 1] - start[i] > kSmallRows) return false;
+  }
+  return b.stride(2) == 1 || b.stride(1) == 1;
+}
+
+// out = a's few-row ranges times their slots' weights, plus bias: the weights' bytes are the whole
+// cost there, and one part per range would leave threads idle where the ranges are fewer than the
+// threads, and uneven where the threads do not divide them (5 experts' weights on 2 threads take
+// 3 experts' time). So every range's output columns are cut into one part per thread. Each output
+// is still one sum over K, whatever the cut.
+template <typename scalar_t>
+void small_ranges_by_columns(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                             const at::Tensor& slot_ids, const std::vector<int64_t>& start, at::Tensor& out,
+                             int64_t threads) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t K = b.size(1), M = b.size(2);
+  const int64_t* ip = slot_ids.data_ptr<int64_t>();
+  std::vector<ColumnPart> parts;
+  for (size_t i = 0; i + 1 < start.size(); ++i) {
+    for (int64_t t = 0; t < threads && start[i + 1] > start[i]; ++t) {
+      const auto [c0, c1] = part_range(M, t, threads, 16);
+      if (c1 > c0) parts.push_back({ip[i], start[i], start[i + 1] - start[i], c0, c1});
+    }
+  }
+  run_parts(parts, [&](const ColumnPart& p) {
+    const scalar_t* x = a.data_ptr<scalar_t>() + p.r0 * K;
+    const scalar_t* w = b.data_ptr<scalar_t>() + p.slot * b.stride(0);
+    scalar_t* o = out.data_ptr<scalar_t>() + p.r0 * M + p.c0;
+    few_rows_mm<scalar_t>(x, K, w + p.c0 * b.stride(2), b.stride(1), b.stride(2), o, M, p.nr, K, p.c1 - p.c0);
+    if (!bias.defined()) return;
+    const scalar_t* bs = bias.data_ptr<scalar_t>() + p.slot * M + p.c0;
+    for (int64_t r = 0; r < p.nr; ++r) {  // as slot_mm's add_: the rounded product plus the bias, rounded
+      for (int64_t c = 0; c < p.c1 - p.c0; ++c) {
+        o[r * M + c] = static_cast<scalar_t>(static_cast<acc_t>(o[r * M + c]) + static_cast<acc_t>(bs[c]));
+      }
+    }
+  });
+}
+
 // out = a's row ranges times their slots' weights (b read in place, any strides), plus their slots'
-// rows of bias ([S, M], contiguous) where defined, one part at a time; epilogue(slot, row0, rows)
-// runs right after each part's GEMM on the same thread, while the part's output rows are still in
-// cache.
+// rows of bias ([S, M], contiguous) where defined, one part at a time; epilogue(row0, rows) runs
+// right after each part's GEMM on the same thread, while the part's output rows are still in
+// cache. Where every range is a few rows, their columns are shared out instead, and the epilogue
+// runs once over all rows after them.
 template <typename Epilogue>
 void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, const at::Tensor& slot_ids,
                      const std::vector<int64_t>& start, at::Tensor& out, Epilogue&& epilogue) {
-  const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
+  const int64_t threads = at::get_num_threads();
   const int64_t K = a.size(1), M = b.size(2);
+  if (threads > 1 && !at::in_parallel_region() && ranges_all_small(start, b)) {
+    MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm", [&] {
+      small_ranges_by_columns<scalar_t>(a, b, bias, slot_ids.contiguous(), start, out, threads);
+    });
+    if (start.back() > 0) epilogue(0, start.back());
+    return;
+  }
+  const auto parts = plan_parts(slot_ids.contiguous(), start, threads);
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm", [&] {
     run_parts(parts, [&](const Part& p) {
       const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
@@ -302,7 +369,7 @@ void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
       slot_mm<scalar_t>(a.data_ptr<scalar_t>() + (p.r0 + lo) * K, b, p.slot,
                         out.data_ptr<scalar_t>() + (p.r0 + lo) * M, hi - lo,
                         bias.defined() ? bias.data_ptr<scalar_t>() + p.slot * M : nullptr);
-      epilogue(p.slot, p.r0 + lo, hi - lo);
+      epilogue(p.r0 + lo, hi - lo);
     });
   });
 }
@@ -313,7 +380,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   const at::Tensor a = a_in.contiguous();
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), "grouped_mm", false);
   at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
-  grouped_mm_into(a, b, at::Tensor(), slot_ids, start, out, [](int64_t, int64_t, int64_t) {});
+  grouped_mm_into(a, b, at::Tensor(), slot_ids, start, out, [](int64_t, int64_t) {});
   return out;
 }
 
@@ -578,7 +645,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cpu(const at::Tensor& a_in, co
   at::Tensor h = empty_output({a.size(0), M}, a.options());
   at::Tensor out = empty_output({a.size(0), act_gated(act) ? M / 2 : M}, a.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
-  grouped_mm_into(a, b, bias, slot_ids, start, h, [&](int64_t, int64_t r0, int64_t nr) {
+  grouped_mm_into(a, b, bias, slot_ids, start, h, [&](int64_t r0, int64_t nr) {
     act_forward(act, h.narrow(0, r0, nr), out.narrow(0, r0, nr), alpha, limit);
   });
   return {h, out};

@@ -1,0 +1,264 @@
+// A few rows (1-4) times one slot's weights on AVX-512: the products of writing a handful of
+// characters, where reading the weights once is the whole cost. The portable loops in
+// grouped_gemm.cpp (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
+// each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time:
+// 11-40 GB/s in bfloat16 where a plain pass streams 50 (tools/few_rows_probe.py, 2 threads). Here
+// each weight vector is loaded once and used for every row, and bfloat16 goes through vdpbf16ps
+// (pairs of values, no widening): 30-54 GB/s.
+//
+// Built for the baseline ISA like the rest (no -march=native): the functions carry a target
+// attribute, and callers ask avx512_available() or bf16_dot_available() (CPUID, once) first.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "bf16_gemm.h"  // MINAGI_BF16_TARGET, bf16_dot_available
+#include "f32_gemm.h"   // MINAGI_AVX512_TARGET, avx512_available
+
+// GCC's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* values
+// (_mm512_reduce_add_ps).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace minagi {
+namespace small_rows {
+
+constexpr int kMaxRows = 4;
+
+#ifdef MINAGI_AVX512
+
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+// The column kernels' shape for R rows: C columns at once and U accumulators each, so that 6-8
+// independent sums hide the FMA latency, and, past 2 rows, each row's values are loaded once for
+// two columns. Columns are taken in order, so the slot is read nearly as one sequential stream (4
+// columns at once, 4 streams of 4 KiB each, ran 30% slower at one row).
+template <int R>
+constexpr int kColsAtOnce = 1;
+template <int R>
+constexpr int kChains = R == 1 ? 8 : 4;
+
+// R rows times C columns of a column-major b (column c's K values at b + c * ldc): out[r, c].
+template <int R, int C>
+MINAGI_AVX512_TARGET inline void f32_cols(const float* a, int64_t lda, const float* b, int64_t ldc, float* out,
+                                          int64_t ldo, int64_t K) {
+  constexpr int U = kChains<R>;
+  __m512 acc[R][C][U];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int u = 0; u < U; ++u) acc[r][c][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m512 w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_ps(b + c * ldc + k + 16 * u);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_loadu_ps(a + r * lda + k + 16 * u);
+        for (int c = 0; c < C; ++c) acc[r][c][u] = _mm512_fmadd_ps(x, w[c], acc[r][c][u]);
+      }
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = mask16(K - k);
+    __m512 w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm512_maskz_loadu_ps(m, b + c * ldc + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, a + r * lda + k);
+      for (int c = 0; c < C; ++c) acc[r][c][0] = _mm512_fmadd_ps(x, w[c], acc[r][c][0]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      for (int u = 1; u < U; ++u) acc[r][c][0] = _mm512_add_ps(acc[r][c][0], acc[r][c][u]);
+      out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c][0]);
+    }
+  }
+}
+
+// out[R, M] = a[R, K] x b for a column-major b (column m's K values at b + m * sn).
+template <int R>
+MINAGI_AVX512_TARGET inline void f32(const float* a, int64_t lda, const float* b, int64_t sn, float* out,
+                                     int64_t ldo, int64_t K, int64_t M) {
+  constexpr int C = kColsAtOnce<R>;
+  int64_t m = 0;
+  for (; m + C <= M; m += C) f32_cols<R, C>(a, lda, b + m * sn, sn, out + m, ldo, K);
+  for (; m < M; ++m) f32_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+}
+
+#endif  // MINAGI_AVX512
+
+#ifdef MINAGI_BF16_DOT
+
+inline __mmask32 mask32(int64_t n) { return n >= 32 ? __mmask32(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1); }
+
+// As c10::BFloat16 rounds (nearest even).
+inline uint16_t to_bf16(float v) { return c10::BFloat16(v).x; }
+
+// As f32_cols, 32 values a step, in pairs.
+template <int R, int C>
+MINAGI_BF16_TARGET inline void bf16_cols(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldc,
+                                         uint16_t* out, int64_t ldo, int64_t K) {
+  constexpr int U = kChains<R>;
+  __m512 acc[R][C][U];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int u = 0; u < U; ++u) acc[r][c][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * U <= K; k += 32 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m512bh w[C];
+      for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_loadu_si512(b + c * ldc + k + 32 * u);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = (__m512bh)_mm512_loadu_si512(a + r * lda + k + 32 * u);
+        for (int c = 0; c < C; ++c) acc[r][c][u] = _mm512_dpbf16_ps(acc[r][c][u], x, w[c]);
+      }
+    }
+  }
+  for (; k < K; k += 32) {  // zeros past K pair with zeros
+    const __mmask32 m = mask32(K - k);
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, b + c * ldc + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, a + r * lda + k);
+      for (int c = 0; c < C; ++c) acc[r][c][0] = _mm512_dpbf16_ps(acc[r][c][0], x, w[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      for (int u = 1; u < U; ++u) acc[r][c][0] = _mm512_add_ps(acc[r][c][0], acc[r][c][u]);
+      out[r * ldo + c] = to_bf16(_mm512_reduce_add_ps(acc[r][c][0]));
+    }
+  }
+}
+
+constexpr int64_t kRowChunk = 512;  // output columns whose float32 sums stay in L1 (8 KiB a row)
+
+// P pairs of b's rows (k, k + 1), ..., (k + 2P - 2, k + 2P - 1) times the R rows' matching values,
+// added into y[r][0, nc): the pairs are interleaved in registers (as bf16_dot's pack_block does in
+// memory), 32 columns at a time, and each is used for every row. `odd`: the last pair's second
+// row lies past K and reads as zeros.
+template <int R, int P>
+MINAGI_BF16_TARGET inline void bf16_rows_step(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                                              int64_t k, bool odd, float (*y)[kRowChunk], int64_t nc) {
+  const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                       0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
+                                       0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512bh x[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) {
+      const bool whole = !(odd && p == P - 1);
+      const uint32_t v = a[r * lda + k + 2 * p] | (whole ? static_cast<uint32_t>(a[r * lda + k + 2 * p + 1]) << 16 : 0u);
+      x[r][p] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(v));
+    }
+  }
+  for (int64_t c = 0; c < nc; c += 32) {
+    const __mmask32 m = mask32(nc - c);
+    __m512bh wl[P], wh[P];
+    for (int p = 0; p < P; ++p) {
+      const uint16_t* row = b + (k + 2 * p) * ldb + c;
+      const __m512i r0 = _mm512_maskz_loadu_epi16(m, row);
+      const __m512i r1 = odd && p == P - 1 ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m, row + ldb);
+      wl[p] = (__m512bh)_mm512_permutex2var_epi16(r0, lo, r1);
+      wh[p] = (__m512bh)_mm512_permutex2var_epi16(r0, hi, r1);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 y0 = _mm512_load_ps(y[r] + c), y1 = _mm512_load_ps(y[r] + c + 16);
+      for (int p = 0; p < P; ++p) {
+        y0 = _mm512_dpbf16_ps(y0, x[r][p], wl[p]);
+        y1 = _mm512_dpbf16_ps(y1, x[r][p], wh[p]);
+      }
+      _mm512_store_ps(y[r] + c, y0);
+      _mm512_store_ps(y[r] + c + 16, y1);
+    }
+  }
+}
+
+// out[R, M] = a[R, K] x b for a row-major b (row k's M values at b + k * sk), kRowChunk columns at
+// a time: each pass reads 8 of b's rows along the chunk (8 sequential streams; a register-only
+// tile, 256 columns wide, read each row in a page of its own and ran at half the speed).
+template <int R>
+MINAGI_BF16_TARGET inline void bf16_rows(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t sk, uint16_t* out,
+                                         int64_t ldo, int64_t K, int64_t M) {
+  alignas(64) float y[R][kRowChunk];
+  for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+    const int64_t nc = std::min(kRowChunk, M - c0);
+    for (int r = 0; r < R; ++r) std::fill(y[r], y[r] + kRowChunk, 0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) bf16_rows_step<R, 4>(a, lda, b + c0, sk, k, false, y, nc);
+    for (; k + 2 <= K; k += 2) bf16_rows_step<R, 1>(a, lda, b + c0, sk, k, false, y, nc);
+    if (k < K) bf16_rows_step<R, 1>(a, lda, b + c0, sk, k, true, y, nc);
+    for (int r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < nc; c += 32) {  // round to nearest even (denormals flush to zero, as in vdpbf16ps)
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(y[r] + c + 16), _mm512_load_ps(y[r] + c));
+        _mm512_mask_storeu_epi16(out + r * ldo + c0 + c, mask32(nc - c), v);
+      }
+    }
+  }
+}
+
+template <int R>
+MINAGI_BF16_TARGET inline void bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t sk, int64_t sn,
+                                    uint16_t* out, int64_t ldo, int64_t K, int64_t M) {
+  if (sk == 1) {
+    constexpr int C = kColsAtOnce<R>;
+    int64_t m = 0;
+    for (; m + C <= M; m += C) bf16_cols<R, C>(a, lda, b + m * sn, sn, out + m, ldo, K);
+    for (; m < M; ++m) bf16_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+    return;
+  }
+  bf16_rows<R>(a, lda, b, sk, out, ldo, K, M);
+}
+
+#endif  // MINAGI_BF16_DOT
+
+// out[nr, M] (rows ldo apart) = a[nr, K] (rows lda apart) x b, b[k, m] at b + k * sk + m * sn with
+// sk == 1 or sn == 1, nr in [1, kMaxRows], where these kernels take it: bfloat16 in both layouts
+// and float32 column-major from 2 rows, on CPUs with the instructions (CPUID, checked once). A
+// row-major float32 slot, and one float32 row of a column-major one, are left to the portable
+// loops, which stream them as fast (0.9-1.0x the time here). Returns whether it ran.
+template <typename scalar_t>
+bool run(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out, int64_t ldo,
+         int64_t nr, int64_t K, int64_t M) {
+#ifdef MINAGI_AVX512
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (sk != 1 || nr == 1 || !avx512_available()) return false;
+    switch (nr) {
+      case 2: f32<2>(a, lda, b, sn, out, ldo, K, M); break;
+      case 3: f32<3>(a, lda, b, sn, out, ldo, K, M); break;
+      default: f32<4>(a, lda, b, sn, out, ldo, K, M);
+    }
+    return true;
+  }
+#endif
+#ifdef MINAGI_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (!bf16_dot_available()) return false;
+    const auto* ua = reinterpret_cast<const uint16_t*>(a);
+    const auto* ub = reinterpret_cast<const uint16_t*>(b);
+    auto* uo = reinterpret_cast<uint16_t*>(out);
+    switch (nr) {
+      case 1: bf16<1>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
+      case 2: bf16<2>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
+      case 3: bf16<3>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
+      default: bf16<4>(ua, lda, ub, sk, sn, uo, ldo, K, M);
+    }
+    return true;
+  }
+#endif
+  (void)a, (void)lda, (void)b, (void)sk, (void)sn, (void)out, (void)ldo, (void)nr, (void)K, (void)M;
+  return false;
+}
+
+}  // namespace small_rows
+}  // namespace minagi
+
+#pragma GCC diagnostic pop

@@ -446,11 +446,11 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
 
 
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
-    """A handful of characters without a plan: every (character, k) pair is its own one-row
-    range, multiplied by its slot's weights (so only the routed slots' weights are read), and the
-    same gather and deterministic gated combine as the grouped path. The trivial plan is built
-    on the host, so nothing synchronises. A skipped pair (valid_NK False) runs on slot 0 with
-    gate 0: it adds nothing."""
+    """A handful of characters without a plan: on the CPU the pairs are sorted by slot, so each
+    routed slot's weights are read once, by one range of its pairs; on a GPU every (character, k)
+    pair is its own one-row range (a plan built on the host, so nothing synchronises). Only the
+    routed slots' weights are read, with the same gather and deterministic gated combine as the
+    grouped path. A skipped pair (valid_NK False) runs on slot 0 with gate 0: it adds nothing."""
     N, K = slot_idx_NK.shape
     dev = x_ND.device
     if valid_NK is not None:

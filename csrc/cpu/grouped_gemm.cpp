@@ -313,8 +313,11 @@ bool ranges_all_small(const std::vector<int64_t>& start, const at::Tensor& b) {
 // out = a's few-row ranges times their slots' weights, plus bias: the weights' bytes are the whole
 // cost there, and one part per range would leave threads idle where the ranges are fewer than the
 // threads, and uneven where the threads do not divide them (5 experts' weights on 2 threads take
-// 3 experts' time). So every range's output columns are cut into one part per thread. Each output
-// is still one sum over K, whatever the cut.
+// 3 experts' time). So where the ranges are fewer than 4 a thread, each range's output columns are
+// cut into up to one part per thread, for at least 4 parts a thread; with more ranges a range is
+// one part, and a thread streams a slot's weights whole (cut into columns there, GPT-OSS-like
+// decode at 4 characters took 1.2-1.4x the time). Each output is still one sum over K, whatever
+// the cut.
 template <typename scalar_t>
 void small_ranges_by_columns(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
                              const at::Tensor& slot_ids, const std::vector<int64_t>& start, at::Tensor& out,
@@ -322,10 +325,13 @@ void small_ranges_by_columns(const at::Tensor& a, const at::Tensor& b, const at:
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t K = b.size(1), M = b.size(2);
   const int64_t* ip = slot_ids.data_ptr<int64_t>();
+  int64_t ranges = 0;
+  for (size_t i = 0; i + 1 < start.size(); ++i) ranges += start[i + 1] > start[i];
+  const int64_t n = std::min<int64_t>(threads, (4 * threads + ranges - 1) / std::max<int64_t>(ranges, 1));
   std::vector<ColumnPart> parts;
   for (size_t i = 0; i + 1 < start.size(); ++i) {
-    for (int64_t t = 0; t < threads && start[i + 1] > start[i]; ++t) {
-      const auto [c0, c1] = part_range(M, t, threads, 16);
+    for (int64_t t = 0; t < n && start[i + 1] > start[i]; ++t) {
+      const auto [c0, c1] = part_range(M, t, n, 16);
       if (c1 > c0) parts.push_back({ip[i], start[i], start[i + 1] - start[i], c0, c1});
     }
   }

@@ -265,14 +265,16 @@ def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
 @pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (257, 1027)])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
-def test_few_rows_kernels(compiled, K, M, transposed, dtype):
+@pytest.mark.parametrize("copies", [1, 3])
+def test_few_rows_kernels(compiled, K, M, transposed, dtype, copies):
     # Writing's products: ranges of 1 to 4 rows (and an empty one), through csrc/cpu/small_rows.h
     # where the CPU has AVX-512 (the portable loops elsewhere), in both weight layouts, with every
     # remainder of their 16/32-value steps and of the 512-column chunk. On one thread each range
-    # is one part; on several, every range's columns are shared out (small_ranges_by_columns) and
-    # the bias is added to each part's columns, then the activation runs once over all rows.
-    rows = torch.tensor([1, 2, 0, 3, 4, 1])
-    ids = torch.tensor([3, 0, 5, 3, 1, 2])
+    # is one part; on 3, small_ranges_by_columns shares them out: 5 ranges have their columns cut
+    # (the bias added to each part's columns), 15 are a part each; then the activation runs once
+    # over all rows.
+    rows = torch.tensor([1, 2, 0, 3, 4, 1] * copies)
+    ids = torch.tensor([3, 0, 5, 3, 1, 2] * copies)
     a = torch.randn(int(rows.sum()), K).to(dtype)
     b = (torch.randn(6, M, K).mT if transposed else torch.randn(6, K, M)) / K ** 0.5
     b, bias = b.to(dtype), torch.randn(6, M).to(dtype)

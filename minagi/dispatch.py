@@ -19,8 +19,9 @@ Paths:
   auto       compiled when the extension has kernels for the input's device, else grouped.
 
 A handful of characters (writing: one per stream) skips the plan on the grouped and compiled
-paths: each (character, k) pair is a one-row range of its slot, so only the top_k slots' weights
-are read and nothing synchronises.
+paths: on the CPU the pairs are sorted into one range per routed slot, on a GPU each (character,
+k) pair is a one-row range of its slot; so only the top_k slots' weights are read (on the CPU
+once each), and nothing synchronises.
 
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """
@@ -446,8 +447,9 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
 
 
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
-    """A handful of characters without a plan: on the CPU the pairs are sorted by slot, so each
-    routed slot's weights are read once, by one range of its pairs; on a GPU every (character, k)
+    """A handful of characters without a plan: on the CPU, with more than one character, the pairs
+    are sorted by slot, so each routed slot's weights are read once, by one range of its pairs
+    (one character's top_k slots are distinct already); on a GPU every (character, k)
     pair is its own one-row range (a plan built on the host, so nothing synchronises). Only the
     routed slots' weights are read, with the same gather and deterministic gated combine as the
     grouped path. A skipped pair (valid_NK False) runs on slot 0 with gate 0: it adds nothing."""

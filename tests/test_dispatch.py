@@ -241,7 +241,7 @@ def test_bfloat16_error_within_twice_the_pure_torch_error(device, name):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("N", [1, 3])
 def test_decode_path_skips_the_plan(monkeypatch, path, N):
-    # A handful of characters is one group of its top_k slots per character: no plan is built.
+    # A handful of characters goes straight to its routed slots' ranges: no plan is built.
     slot_idx, (x, gates, w_in, w_out) = make("uniform", torch.float64, requires_grad=False)
     slot_idx, x, gates = slot_idx[:N], x[:N], gates[:N]
     want = expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle")
@@ -270,6 +270,21 @@ def test_decode_reads_each_slot_once(path):
         y, rows = minagi.dispatch._decode(ops, x, slot_idx, gates, w_in, w_out, form, None, None, None)
     assert rows.tolist() == [2, 4, 1, 1]
     assert_close(y, expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle"))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_skips_out_of_range_slots(path):
+    # Expert parallelism's ids of experts held elsewhere run on slot 0 with gate 0 in the decode
+    # path: sorted in with slot 0's own pairs, that range has 11 rows here (past the few-row
+    # kernels), and still adds nothing.
+    slot_idx = torch.tensor([[0, 5, -1, 1], [7, 0, 2, 9], [0, 6, 3, 8], [1, 0, -4, 2]])
+    x, w_in, w_out = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
+        torch.randn(4, 12, 8, dtype=torch.float64)
+    gates = torch.softmax(torch.randn(4, 4, dtype=torch.float64), 1)
+    want = expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle", out_of_range_slots="skip")
+    with torch.no_grad():
+        got = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, out_of_range_slots="skip")
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("path", PATHS)

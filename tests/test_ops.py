@@ -262,7 +262,7 @@ def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (257, 1027)])
+@pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (64, 1026), (257, 1027)])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
 @pytest.mark.parametrize("copies", [1, 3])

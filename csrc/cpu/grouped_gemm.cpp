@@ -314,10 +314,10 @@ bool ranges_all_small(const std::vector<int64_t>& start, const at::Tensor& b) {
 // cost there, and one part per range would leave threads idle where the ranges are fewer than the
 // threads, and uneven where the threads do not divide them (5 experts' weights on 2 threads take
 // 3 experts' time). So where the ranges are fewer than 4 a thread, each range's output columns are
-// cut into up to one part per thread, for at least 4 parts a thread; with more ranges a range is
-// one part, and a thread streams a slot's weights whole (cut into columns there, GPT-OSS-like
-// decode at 4 characters took 1.2-1.4x the time). Each output is still one sum over K, whatever
-// the cut.
+// cut into parts, aiming at 4 parts a thread with at most one per thread per range; with more
+// ranges a range is one part, and a thread streams a slot's weights whole (cut into columns there,
+// GPT-OSS-like decode at 4 characters took 1.2-1.4x the time). Each output is still one sum over
+// K, whatever the cut.
 template <typename scalar_t>
 void small_ranges_by_columns(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
                              const at::Tensor& slot_ids, const std::vector<int64_t>& start, at::Tensor& out,
@@ -353,8 +353,9 @@ void small_ranges_by_columns(const at::Tensor& a, const at::Tensor& b, const at:
 // out = a's row ranges times their slots' weights (b read in place, any strides), plus their slots'
 // rows of bias ([S, M], contiguous) where defined, one part at a time; epilogue(row0, rows) runs
 // right after each part's GEMM on the same thread, while the part's output rows are still in
-// cache. Where every range is a few rows, their columns are shared out instead, and the epilogue
-// runs once over all rows after them.
+// cache. Where every range is a few rows (ranges_all_small: at most kSmallRows rows, weights with a
+// unit stride) and there are several threads outside a parallel region, small_ranges_by_columns
+// shares the ranges out instead, and the epilogue runs once over all rows after them.
 template <typename Epilogue>
 void grouped_mm_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, const at::Tensor& slot_ids,
                      const std::vector<int64_t>& start, at::Tensor& out, Epilogue&& epilogue) {
@@ -588,7 +589,8 @@ bool swiglu_own_takes(std::initializer_list<const at::Tensor*> ts) {
 }
 
 // The activation of h's rows into out's, through ATen's vectorised kernels (run on one thread
-// inside a part: the parts are the parallelism). GPT-OSS's clamped form, with no ATen kernel of its
+// inside a part: the parts are the parallelism; after small_ranges_by_columns, once over all rows,
+// spread over the threads as ATen does). GPT-OSS's clamped form, with no ATen kernel of its
 // own, takes the loops above.
 template <typename scalar_t>
 void oai_rows(const at::Tensor& h, at::Tensor& out, double alpha, double limit) {

@@ -37,12 +37,9 @@ constexpr int kMaxRows = 4;
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
-// The column kernels' shape for R rows: C columns at once and U accumulators each, so that 6-8
-// independent sums hide the FMA latency, and, past 2 rows, each row's values are loaded once for
-// two columns. Columns are taken in order, so the slot is read nearly as one sequential stream (4
-// columns at once, 4 streams of 4 KiB each, ran 30% slower at one row).
-template <int R>
-constexpr int kColsAtOnce = 1;
+// Independent sums a row in the column kernels (8 for one row, 4 a row for more: 8-16 in all),
+// enough to hide the FMA latency. One column is taken after another, so the slot is read as one
+// sequential stream (4 columns at once, 4 streams of 4 KiB each, ran 30% slower at one row).
 template <int R>
 constexpr int kChains = R == 1 ? 8 : 4;
 
@@ -87,10 +84,7 @@ MINAGI_AVX512_TARGET inline void f32_cols(const float* a, int64_t lda, const flo
 template <int R>
 MINAGI_AVX512_TARGET inline void f32(const float* a, int64_t lda, const float* b, int64_t sn, float* out,
                                      int64_t ldo, int64_t K, int64_t M) {
-  constexpr int C = kColsAtOnce<R>;
-  int64_t m = 0;
-  for (; m + C <= M; m += C) f32_cols<R, C>(a, lda, b + m * sn, sn, out + m, ldo, K);
-  for (; m < M; ++m) f32_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+  for (int64_t m = 0; m < M; ++m) f32_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
 }
 
 #endif  // MINAGI_AVX512
@@ -209,10 +203,7 @@ template <int R>
 MINAGI_BF16_TARGET inline void bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t sk, int64_t sn,
                                     uint16_t* out, int64_t ldo, int64_t K, int64_t M) {
   if (sk == 1) {
-    constexpr int C = kColsAtOnce<R>;
-    int64_t m = 0;
-    for (; m + C <= M; m += C) bf16_cols<R, C>(a, lda, b + m * sn, sn, out + m, ldo, K);
-    for (; m < M; ++m) bf16_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+    for (int64_t m = 0; m < M; ++m) bf16_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
     return;
   }
   bf16_rows<R>(a, lda, b, sk, out, ldo, K, M);
@@ -221,7 +212,7 @@ MINAGI_BF16_TARGET inline void bf16(const uint16_t* a, int64_t lda, const uint16
 #endif  // MINAGI_BF16_DOT
 
 // out[nr, M] (rows ldo apart) = a[nr, K] (rows lda apart) x b, b[k, m] at b + k * sk + m * sn with
-// sk == 1 or sn == 1, nr in [1, kMaxRows], where these kernels take it: bfloat16 in both layouts
+// sk == 1 or sn == 1, where these kernels take it (nr in [1, kMaxRows]): bfloat16 in both layouts
 // and float32 column-major from 2 rows, on CPUs with the instructions (CPUID, checked once). A
 // row-major float32 slot, and one float32 row of a column-major one, are left to the portable
 // loops, which stream them as fast (0.9-1.0x the time here). Returns whether it ran.
@@ -234,7 +225,8 @@ bool run(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t 
     switch (nr) {
       case 2: f32<2>(a, lda, b, sn, out, ldo, K, M); break;
       case 3: f32<3>(a, lda, b, sn, out, ldo, K, M); break;
-      default: f32<4>(a, lda, b, sn, out, ldo, K, M);
+      case 4: f32<4>(a, lda, b, sn, out, ldo, K, M); break;
+      default: return false;
     }
     return true;
   }
@@ -249,7 +241,8 @@ bool run(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t 
       case 1: bf16<1>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
       case 2: bf16<2>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
       case 3: bf16<3>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
-      default: bf16<4>(ua, lda, ub, sk, sn, uo, ldo, K, M);
+      case 4: bf16<4>(ua, lda, ub, sk, sn, uo, ldo, K, M); break;
+      default: return false;
     }
     return true;
   }

@@ -66,11 +66,9 @@ at::Tensor weighted_scatter_cpu(const at::Tensor& rows_in, const at::Tensor& des
           const int64_t r = dp[n * k + j];
           if (r < 0) continue;
           const acc_t g = gp == nullptr ? acc_t(1) : static_cast<acc_t>(gp[n * k + j]);
-          const scalar_t* src = rowp + r * D;
-          for (int64_t c = 0; c < D; ++c) acc[c] += g * static_cast<acc_t>(src[c]);
+          axpy_row(acc.data(), g, rowp + r * D, D);
         }
-        scalar_t* dst = op_ + n * D;
-        for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<scalar_t>(acc[c]);
+        store_row(op_ + n * D, acc.data(), D);
       }
     });
   });

@@ -85,5 +85,34 @@ MINAGI_SIMD_CLONES void scale_row(scalar_t* __restrict x, acc_t w, int64_t n) {
   }
 }
 
+// acc[0, n) += w * x[0, n), in float32 for bfloat16 (widened in the loop, as bf16_to_float does:
+// c10's conversion kept it scalar) and store_row's rounding back.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+MINAGI_SIMD_CLONES void axpy_row(acc_t* __restrict acc, acc_t w, const scalar_t* __restrict x, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(xb[c]) << 16;
+      float v;
+      std::memcpy(&v, &bits, sizeof(float));
+      acc[c] += w * v;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) acc[c] += w * static_cast<acc_t>(x[c]);
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+MINAGI_SIMD_CLONES void store_row(scalar_t* __restrict x, const acc_t* __restrict acc, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    float_to_bf16(acc, reinterpret_cast<uint16_t*>(x), n);  // rounds as c10's conversion does
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) x[c] = static_cast<scalar_t>(acc[c]);
+  }
+}
+
 }  // namespace
 }  // namespace minagi

@@ -4,7 +4,9 @@ scatter_mm_backward with and without its weight gradient, the two GEMMs it fuses
 (grad_y's rows times the weights, and the weight gradient), and the gather, scatter and gate
 gradient ops. Where a fused op costs more than its GEMMs alone, the difference is its row loops.
 
-    MINAGI_ALLOCATOR=keep python tools/row_ops_probe.py [--threads 1]
+    MINAGI_ALLOCATOR=keep python tools/row_ops_probe.py [--threads 1] [--tokens 2048]
+
+--tokens 256 keeps every operand in the cache: the row loops' own speed, not memory's.
 
 Prints ms per call (median of 5, after a warm-up call). Nothing else may run beside it.
 """
@@ -13,12 +15,13 @@ import argparse
 import torch
 from bf16_gemm_probe import median_ms  # tools/ is sys.path[0] when run as a script
 
-N, S, K, I, D = 2048, 128, 8, 192, 512  # tokens, experts, top-k, expert width, hidden
+S, K, I, D = 128, 8, 192, 512  # experts, top-k, expert width, hidden
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=2048)
     args = p.parse_args(argv)
     import minagi.ops  # noqa: F401  (registers torch.ops.minagi)
 
@@ -26,6 +29,7 @@ def main(argv=None) -> int:
     if not hasattr(ops, "scatter_mm_backward"):
         raise SystemExit("row_ops_probe: minagi's extension is not loaded (python -m minagi doctor says why)")
     torch.set_num_threads(args.threads)
+    N = args.tokens
     g = torch.Generator().manual_seed(0)
     slot_idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(N)])
     _, order, rows, row_pair, dest = ops.group_plan(slot_idx, S, 0, False)
@@ -48,7 +52,7 @@ def main(argv=None) -> int:
             "  gated": median_ms(lambda: ops.bucketed_gather(x, row_pair, dest, gates)),
             "gate_grad": median_ms(lambda: ops.gate_grad(x, tile, dest, row_pair)),
         }
-        print(f"{str(dt)[6:]}: " + ", ".join(f"{k.strip()} {v:.1f}" for k, v in t.items()), flush=True)
+        print(f"{str(dt)[6:]}: " + ", ".join(f"{k.strip()} {v:.2f}" for k, v in t.items()), flush=True)
     return 0
 
 

@@ -2,7 +2,8 @@
 // characters, where reading the weights once is the whole cost. The portable loops in
 // grouped_gemm.cpp (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
 // each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time:
-// 11-40 GB/s in bfloat16 where a plain pass streams 50 (tools/few_rows_probe.py, 2 threads). Here
+// 11-40 GB/s in bfloat16, where float32's loop streams one row's weights at 50 (tools/few_rows_probe.py,
+// 2 threads). Here
 // each weight vector is loaded once and used for every row, and bfloat16 goes through vdpbf16ps
 // (pairs of values, no widening): 30-54 GB/s.
 //
@@ -43,40 +44,29 @@ inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static
 template <int R>
 constexpr int kChains = R == 1 ? 8 : 4;
 
-// R rows times C columns of a column-major b (column c's K values at b + c * ldc): out[r, c].
-template <int R, int C>
-MINAGI_AVX512_TARGET inline void f32_cols(const float* a, int64_t lda, const float* b, int64_t ldc, float* out,
-                                          int64_t ldo, int64_t K) {
+// R rows times one column of a column-major b (its K values contiguous at b): out[r * ldo].
+template <int R>
+MINAGI_AVX512_TARGET inline void f32_col(const float* a, int64_t lda, const float* b, float* out, int64_t ldo,
+                                         int64_t K) {
   constexpr int U = kChains<R>;
-  __m512 acc[R][C][U];
+  __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      for (int u = 0; u < U; ++u) acc[r][c][u] = _mm512_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 * U <= K; k += 16 * U) {
     for (int u = 0; u < U; ++u) {
-      __m512 w[C];
-      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_ps(b + c * ldc + k + 16 * u);
-      for (int r = 0; r < R; ++r) {
-        const __m512 x = _mm512_loadu_ps(a + r * lda + k + 16 * u);
-        for (int c = 0; c < C; ++c) acc[r][c][u] = _mm512_fmadd_ps(x, w[c], acc[r][c][u]);
-      }
+      const __m512 w = _mm512_loadu_ps(b + k + 16 * u);
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(a + r * lda + k + 16 * u), w, acc[r][u]);
     }
   }
   for (; k < K; k += 16) {
     const __mmask16 m = mask16(K - k);
-    __m512 w[C];
-    for (int c = 0; c < C; ++c) w[c] = _mm512_maskz_loadu_ps(m, b + c * ldc + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_maskz_loadu_ps(m, a + r * lda + k);
-      for (int c = 0; c < C; ++c) acc[r][c][0] = _mm512_fmadd_ps(x, w[c], acc[r][c][0]);
-    }
+    const __m512 w = _mm512_maskz_loadu_ps(m, b + k);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + r * lda + k), w, acc[r][0]);
   }
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      for (int u = 1; u < U; ++u) acc[r][c][0] = _mm512_add_ps(acc[r][c][0], acc[r][c][u]);
-      out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c][0]);
-    }
+    for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+    out[r * ldo] = _mm512_reduce_add_ps(acc[r][0]);
   }
 }
 
@@ -84,7 +74,7 @@ MINAGI_AVX512_TARGET inline void f32_cols(const float* a, int64_t lda, const flo
 template <int R>
 MINAGI_AVX512_TARGET inline void f32(const float* a, int64_t lda, const float* b, int64_t sn, float* out,
                                      int64_t ldo, int64_t K, int64_t M) {
-  for (int64_t m = 0; m < M; ++m) f32_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+  for (int64_t m = 0; m < M; ++m) f32_col<R>(a, lda, b + m * sn, out + m, ldo, K);
 }
 
 #endif  // MINAGI_AVX512
@@ -96,44 +86,35 @@ inline __mmask32 mask32(int64_t n) { return n >= 32 ? __mmask32(0xFFFFFFFFu) : s
 // As c10::BFloat16 rounds (nearest even).
 inline uint16_t to_bf16(float v) { return c10::BFloat16(v).x; }
 
-// As f32_cols, 32 values a step, in pairs.
-template <int R, int C>
-MINAGI_BF16_TARGET inline void bf16_cols(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldc,
-                                         uint16_t* out, int64_t ldo, int64_t K) {
+// As f32_col, 32 values a step, in pairs.
+template <int R>
+MINAGI_BF16_TARGET inline void bf16_col(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* out, int64_t ldo,
+                                        int64_t K) {
   constexpr int U = kChains<R>;
-  __m512 acc[R][C][U];
+  __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      for (int u = 0; u < U; ++u) acc[r][c][u] = _mm512_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 * U <= K; k += 32 * U) {
     for (int u = 0; u < U; ++u) {
-      __m512bh w[C];
-      for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_loadu_si512(b + c * ldc + k + 32 * u);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh x = (__m512bh)_mm512_loadu_si512(a + r * lda + k + 32 * u);
-        for (int c = 0; c < C; ++c) acc[r][c][u] = _mm512_dpbf16_ps(acc[r][c][u], x, w[c]);
-      }
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(b + k + 32 * u);
+      for (int r = 0; r < R; ++r)
+        acc[r][u] = _mm512_dpbf16_ps(acc[r][u], (__m512bh)_mm512_loadu_si512(a + r * lda + k + 32 * u), w);
     }
   }
   for (; k < K; k += 32) {  // zeros past K pair with zeros
     const __mmask32 m = mask32(K - k);
-    __m512bh w[C];
-    for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, b + c * ldc + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, a + r * lda + k);
-      for (int c = 0; c < C; ++c) acc[r][c][0] = _mm512_dpbf16_ps(acc[r][c][0], x, w[c]);
-    }
+    const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(m, b + k);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(m, a + r * lda + k), w);
   }
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      for (int u = 1; u < U; ++u) acc[r][c][0] = _mm512_add_ps(acc[r][c][0], acc[r][c][u]);
-      out[r * ldo + c] = to_bf16(_mm512_reduce_add_ps(acc[r][c][0]));
-    }
+    for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+    out[r * ldo] = to_bf16(_mm512_reduce_add_ps(acc[r][0]));
   }
 }
 
-constexpr int64_t kRowChunk = 512;  // output columns whose float32 sums stay in L1 (8 KiB a row)
+constexpr int64_t kRowChunk = 512;  // output columns whose float32 sums stay in L1 (2 KiB a row)
 
 // P pairs of b's rows (k, k + 1), ..., (k + 2P - 2, k + 2P - 1) times the R rows' matching values,
 // added into y[r][0, nc): the pairs are interleaved in registers (as bf16_dot's pack_block does in
@@ -203,7 +184,7 @@ template <int R>
 MINAGI_BF16_TARGET inline void bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t sk, int64_t sn,
                                     uint16_t* out, int64_t ldo, int64_t K, int64_t M) {
   if (sk == 1) {
-    for (int64_t m = 0; m < M; ++m) bf16_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+    for (int64_t m = 0; m < M; ++m) bf16_col<R>(a, lda, b + m * sn, out + m, ldo, K);
     return;
   }
   bf16_rows<R>(a, lda, b, sk, out, ldo, K, M);

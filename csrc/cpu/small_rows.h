@@ -2,10 +2,9 @@
 // characters, where reading the weights once is the whole cost. The portable loops in
 // grouped_gemm.cpp (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
 // each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time:
-// 11-40 GB/s in bfloat16, where float32's loop streams one row's weights at 50 (tools/few_rows_probe.py,
-// 2 threads). Here
-// each weight vector is loaded once and used for every row, and bfloat16 goes through vdpbf16ps
-// (pairs of values, no widening): 30-54 GB/s.
+// 11-40 GB/s in bfloat16, where float32's loop streams one row's weights at 50
+// (tools/few_rows_probe.py, 2 threads). Here each weight vector is loaded once and used for every
+// row, and bfloat16 goes through vdpbf16ps (pairs of values, no widening): 30-54 GB/s.
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
 // attribute, and callers ask avx512_available() or bf16_dot_available() (CPUID, once) first.

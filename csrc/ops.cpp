@@ -114,4 +114,13 @@ TORCH_LIBRARY(minagi, m) {
   m.def(
       "gather_mm_act(Tensor x, Tensor b, Tensor? bias, Tensor slot_ids, Tensor slot_rows, Tensor row_pair, "
       "Tensor dest, str activation, float alpha, float limit) -> Tensor");
+  // Writing's experts in one call: y[n] = sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @
+  // w_out[s] + b_out[s]), s = slot_idx[n, j], for a handful of characters (x [N, D]; slot_idx and
+  // gates [N, k]; w_in [S, D, M], w_out [S, H, D], H = M / 2 for the gated forms; b_in [S, M] and
+  // b_out [S, D] optional). The pairs are sorted by slot on the host, so each routed slot's weights
+  // are read once. One call instead of the unfused decode's plan, gather, two GEMMs, scatter and
+  // bias. A CPU kernel only (_backend.FUSED_OP_NAMES).
+  m.def(
+      "decode_experts(Tensor x, Tensor slot_idx, Tensor gates, Tensor w_in, Tensor w_out, Tensor? b_in, "
+      "Tensor? b_out, str activation, float alpha, float limit) -> Tensor");
 }

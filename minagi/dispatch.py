@@ -21,7 +21,8 @@ Paths:
 A handful of characters (writing: one per stream) skips the plan on the grouped and compiled
 paths: on the CPU the pairs are sorted into one range per routed slot, on a GPU each (character,
 k) pair is a one-row range of its slot; so only the top_k slots' weights are read (on the CPU
-once each), and nothing synchronises.
+once each), and nothing synchronises. On the CPU's compiled path, without a gradient, the whole
+call is one op (decode_experts).
 
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """
@@ -446,6 +447,14 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     return not wants_grad or (N == 1 and not skipping)
 
 
+def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool) -> bool:
+    """Whether a handful of characters go through the one compiled op (decode_experts, the CPU's):
+    one call instead of the unfused decode's ten, whose dispatch cost more than the GEMMs at one
+    character. Not with the caller's own activation or post, skipped ids, or a gradient."""
+    return (ops is not _ops.REFERENCE and form.fn is None and post is None and valid_NK is None and not wants_grad
+            and _ops.has_fused("decode_experts", x_ND.device))
+
+
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
     """A handful of characters without a plan: on the CPU, with more than one character, the pairs
     are sorted by slot, so each routed slot's weights are read once, by one range of its pairs
@@ -547,7 +556,13 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
         # The caller's functions may hold parameters of their own (a norm's weight).
         wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out)) or (
             torch.is_grad_enabled() and (form.fn is not None or post is not None))
-        if _use_decode(N, cap, wants_grad, skip):
+        if _use_decode(N, cap, wants_grad, skip) and _fuses_decode(ops, x, form, valid, post, wants_grad):
+            with torch._C._AutoDispatchBelowAutograd():
+                y = ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
+            b_out = None  # added inside, per pair
+            rows_A = torch.unique(slot_idx, return_counts=True)[1] if return_stats else None
+            kept, executed = valid, N * K
+        elif _use_decode(N, cap, wants_grad, skip):
             # Writing wants no gradient: the ops then run straight to their kernels, skipping the
             # Python autograd wrapper that registered ops pass through (~20 us per call).
             with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():

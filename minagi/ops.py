@@ -99,6 +99,11 @@ def _fused_fake_registrations(names: tuple[str, ...], lib: str = "minagi") -> No
             M = b.shape[2]
             return x.new_empty(row_pair.shape[0], M // 2 if activation in reference.GATED else M)
 
+    if "decode_experts" in names:
+        @torch.library.register_fake(f"{lib}::decode_experts")
+        def _(x, slot_idx, gates, w_in, w_out, b_in, b_out, activation, alpha, limit):
+            return x.new_empty(x.shape[0], w_out.shape[2])
+
 
 def stored_transposed(b_SIO: torch.Tensor) -> bool:
     """Whether b is the .mT view of a contiguous [S, out, in] weight (nn.Linear's layout)."""
@@ -248,6 +253,8 @@ def _fused_autograd_registrations(names: tuple[str, ...], lib: str = "minagi") -
         _scatter_mm_backward_autograd(lib)
     if "gather_mm_act" in names:
         _gather_mm_act_autograd(lib)
+    if "decode_experts" in names:
+        _decode_experts_autograd(lib)
 
 
 def _gather_mm_act_autograd(lib: str) -> None:
@@ -268,6 +275,30 @@ def _gather_mm_act_autograd(lib: str) -> None:
         return grads[0], grads[1], grads[2] if ctx.has_bias else None, None, None, None, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::gather_mm_act", bwd, setup_context=setup)
+
+
+def _decode_experts_autograd(lib: str) -> None:
+    # Writing's op: dispatch never calls it where a gradient is wanted. Its gradients, for whoever
+    # does, come through the twin's autograd.
+    def setup(ctx, inputs, output):
+        *tensors, activation, alpha, limit = inputs
+        ctx.form = (activation, alpha, limit)
+        ctx.present = [t is not None for t in tensors]
+        ctx.save_for_backward(*[t for t in tensors if t is not None])
+
+    def bwd(ctx, g_y):
+        saved = iter(ctx.saved_tensors)
+        tensors = [next(saved) if p else None for p in ctx.present]
+        with torch.enable_grad():
+            leaves = [t if t is None or not t.is_floating_point() or t.requires_grad
+                      else t.detach().requires_grad_() for t in tensors]
+            y = reference.decode_experts(*leaves, *ctx.form)
+            wanted = [t for t in leaves if t is not None and t.is_floating_point()]
+            grads = iter(torch.autograd.grad(y, wanted, g_y, create_graph=torch.is_grad_enabled(),
+                                             allow_unused=True))
+        return (*(next(grads) if t is not None and t.is_floating_point() else None for t in leaves), None, None, None)
+
+    torch.library.register_autograd(f"{lib}::decode_experts", bwd, setup_context=setup)
 
 
 def _scatter_mm_backward_autograd(lib: str) -> None:

@@ -214,6 +214,23 @@ def gather_mm_act(x_ND, b_SKM, bias_SM, slot_ids_A, slot_rows_A, row_pair_E, des
     return grouped_mm_act(buf_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation, alpha, limit)[1]
 
 
+def decode_experts(x_ND, slot_idx_NK, gates_NK, w_in_SDM, w_out_SHD, b_in_SM, b_out_SD, activation: str,
+                   alpha: float, limit: float):
+    """Writing's experts in one call: sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s] +
+    b_out[s]), s = slot_idx[n, j]. Here every pair is its own one-row range (the compiled op sorts
+    the pairs by slot, which changes which weights are read, not the sums)."""
+    N, K = slot_idx_NK.shape
+    ids_R = slot_idx_NK.reshape(-1)
+    ones_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
+    pair_R = torch.arange(N * K, device=x_ND.device)
+    buf_RD = bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
+    a_RH = grouped_mm_act(buf_RD, w_in_SDM, b_in_SM, ids_R, ones_R, activation, alpha, limit)[1]
+    out_RD = grouped_mm(a_RH, w_out_SHD, ids_R, ones_R)
+    if b_out_SD is not None:
+        out_RD = out_RD + b_out_SD.index_select(0, ids_R)
+    return weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK)
+
+
 def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str, alpha: float, limit: float,
                         n_slots: int, bias_grad: bool):
     """h's gradient through the activation, and per slot the column sums of it (the bias's)."""

@@ -272,6 +272,39 @@ def test_decode_reads_each_slot_once(path):
     assert_close(y, expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle"))
 
 
+@requires_ext
+def test_decode_goes_through_one_op_where_it_can(monkeypatch):
+    # On the CPU's compiled path a handful of characters without a gradient are one call
+    # (decode_experts, b_out inside it); with the caller's own activation, a post, skipped ids or a
+    # gradient, the unfused decode. Both agree with the rectangle.
+    if not minagi.ops.has_fused("decode_experts", torch.device("cpu")):
+        pytest.skip("this build has no decode_experts kernel")
+    fused = []
+    real = minagi.dispatch._fuses_decode
+    monkeypatch.setattr(minagi.dispatch, "_fuses_decode", lambda *a: fused.append(real(*a)) or fused[-1])
+    g = torch.Generator().manual_seed(4)
+    slot_idx = torch.tensor([[0, 1], [1, 3], [2, 1]])
+    x, gates = torch.randn(3, 8, generator=g, dtype=torch.float64), torch.rand(3, 2, generator=g, dtype=torch.float64)
+    w_in, w_out = torch.randn(4, 8, 12, generator=g, dtype=torch.float64), torch.randn(4, 12, 8, generator=g,
+                                                                                      dtype=torch.float64)
+    b_out = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    cases = {"plain": {}, "own activation": {"activation": torch.tanh}, "post": {"post": lambda o: torch.nn.functional.normalize(o, dim=-1)}}
+    for what, kw in cases.items():
+        want = expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="rectangle", **kw)
+        with torch.no_grad():
+            got = expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="compiled", **kw)
+        assert_close(got, want, msg=what)
+        assert fused.pop() == (what == "plain"), what
+    skipped = torch.tensor([[0, 9], [1, 3], [2, 1]])
+    with torch.no_grad():
+        got = expert_mlp(x, skipped, gates, w_in, w_out, b_out=b_out, path="compiled", out_of_range_slots="skip")
+    assert_close(got, expert_mlp(x, skipped, gates, w_in, w_out, b_out=b_out, path="rectangle",
+                                 out_of_range_slots="skip"))
+    assert fused.pop() is False
+    y = expert_mlp(x[:1], slot_idx[:1], gates[:1], w_in.requires_grad_(), w_out, b_out=b_out, path="compiled")
+    assert fused.pop() is False and y.requires_grad
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_decode_skips_out_of_range_slots(path):
     # Expert parallelism's ids of experts held elsewhere run on slot 0 with gate 0 in the decode

@@ -82,9 +82,17 @@ def test_greedy_generate_identical_and_decode_takes_few_characters_path(name, mo
     model, ids = _model(name), _ids(batch=1, seq=6)
     model.set_experts_implementation("eager")
     ref = model.generate(ids, max_new_tokens=16, do_sample=False)
-    calls = []
-    decode = minagi.dispatch._decode
+    calls = []  # the characters of each decode-path call, fused (one compiled op) or not
+    decode, fuses = minagi.dispatch._decode, minagi.dispatch._fuses_decode
+
+    def fused(ops, x, *a):
+        if fuses(ops, x, *a):
+            calls.append(x.shape[0])
+            return True
+        return False
+
     monkeypatch.setattr(minagi.dispatch, "_decode", lambda ops, x, *a: calls.append(x.shape[0]) or decode(ops, x, *a))
+    monkeypatch.setattr(minagi.dispatch, "_fuses_decode", fused)
     model.set_experts_implementation("minagi")
     got = model.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(got, ref)

@@ -296,6 +296,63 @@ def test_few_rows_kernels(compiled, K, M, transposed, dtype, copies):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_decode_experts_matches_twin(compiled, activation, transposed, dtype):
+    # Writing's one op (CPU only): 1 to 4 characters whose pairs share slots (one range a slot, read
+    # once), with and without both biases, against its twin (every pair its own row).
+    if not ops.has_fused("decode_experts", torch.device("cpu")):
+        pytest.skip("this build has no decode_experts kernel")
+    S, D, H = 6, 40, 24
+    M = 2 * H if activation in reference.GATED else H
+    g = torch.Generator().manual_seed(5)
+    w_in = (torch.randn(S, M, D, generator=g).mT if transposed else torch.randn(S, D, M, generator=g)) / D ** 0.5
+    w_out = (torch.randn(S, D, H, generator=g).mT if transposed else torch.randn(S, H, D, generator=g)) / H ** 0.5
+    b_in, b_out = torch.randn(S, M, generator=g) / 4, torch.randn(S, D, generator=g) / 4
+    idx = torch.tensor([[3, 0, 5], [0, 3, 1], [2, 3, 0], [5, 4, 3]])
+    for N, K in ((1, 3), (2, 1), (4, 3)):
+        x, gates = torch.randn(N, D, generator=g), torch.rand(N, K, generator=g)
+        for biases in ((None, None), (b_in, b_out)):
+            args = [t if t is None else t.to(dtype) for t in (x, idx[:N, :K], gates, w_in, w_out, *biases)]
+            args[1] = idx[:N, :K]
+            got = compiled.decode_experts(*args, activation, 1.702, 7.0)
+            wide = [t.double() if t is not None and t.is_floating_point() else t for t in args]
+            want = REF.decode_experts(*wide, activation, 1.702, 7.0)
+            assert_close(got, want, dtype, scale=4, msg=f"N={N} K={K} biases={biases[0] is not None}")
+
+
+def test_decode_experts_gradients_through_the_twin(compiled):
+    # Dispatch never asks decode_experts for a gradient; whoever does gets the twin's.
+    if not ops.has_fused("decode_experts", torch.device("cpu")):
+        pytest.skip("this build has no decode_experts kernel")
+    g = torch.Generator().manual_seed(1)
+    x, gates = torch.randn(2, 5, generator=g, dtype=torch.float64), torch.rand(2, 2, generator=g, dtype=torch.float64)
+    w_in, w_out = torch.randn(3, 5, 8, generator=g, dtype=torch.float64), torch.randn(3, 4, 5, generator=g,
+                                                                                     dtype=torch.float64)
+    b_out = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    idx = torch.tensor([[0, 2], [2, 1]])
+    leaves = [t.requires_grad_() for t in (x, gates, w_in, w_out, b_out)]
+    fn = lambda x, g_, wi, wo, bo: compiled.decode_experts(x, idx, g_, wi, wo, None, bo, "swiglu", 1.702, 7.0)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_decode_experts_names_bad_arguments(compiled):
+    if not ops.has_fused("decode_experts", torch.device("cpu")):
+        pytest.skip("this build has no decode_experts kernel")
+    x, idx, gates = torch.randn(2, 8), torch.tensor([[0, 1], [1, 2]]), torch.rand(2, 2)
+    w_in, w_out = torch.randn(3, 8, 12), torch.randn(3, 12, 8)
+    call = torch.ops.minagi.decode_experts
+    with pytest.raises(RuntimeError, match=r"w_out must be \[S, H, D\] = \[3, 6, 8\]"):
+        call(x, idx, gates, w_in, w_out, None, None, "swiglu", 1.702, 7.0)
+    with pytest.raises(RuntimeError, match="gates .* must have the dtype of x"):
+        call(x, idx, gates.double(), w_in, w_out, None, None, "gelu", 1.702, 7.0)
+    with pytest.raises(RuntimeError, match="b_out must be \\[3, 8\\]"):
+        call(x, idx, gates, w_in, w_out, None, torch.randn(3, 9), "gelu", 1.702, 7.0)
+    with pytest.raises(RuntimeError, match="slot_idx holds 3"):
+        call(x, torch.tensor([[0, 3], [1, 2]]), gates, w_in, w_out, None, None, "gelu", 1.702, 7.0)
+
+
 @pytest.mark.parametrize("M", [1, 17, 40, 95])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
@@ -604,6 +661,9 @@ def _opcheck_samples(device):
                                 w_in, gates, order, rows, row_pair, dest, 1),
         "gather_mm_act": (x, w_in, torch.randn(S, w_in.shape[2], dtype=torch.float64, requires_grad=True), order,
                           rows, row_pair, dest, "swiglu", 1.702, 7.0),
+        "decode_experts": (x[:3], slot_idx[:3], gates[:3], w_in, w_out,
+                           torch.randn(S, w_in.shape[2], dtype=torch.float64, requires_grad=True), None, "gelu",
+                           1.702, 7.0),
     }
 
     def move(t):  # slot_rows (the last tensor of the GEMMs) stays on the host, as the plan gives it
@@ -616,7 +676,7 @@ def _opcheck_samples(device):
 
 @pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "bucketed_gather",
                                 "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad",
-                                "scatter_mm_backward", "gather_mm_act"])
+                                "scatter_mm_backward", "gather_mm_act", "decode_experts"])
 def test_opcheck(compiled, device, op):
     if op in ops._backend.FUSED_OP_NAMES and not ops.has_fused(op, device):
         pytest.skip(f"{op} has no {device.type} kernel (a fused op with a CPU kernel only)")
@@ -627,7 +687,7 @@ def test_opcheck(compiled, device, op):
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     # The fused ops' own backwards (checks and double backward only) run the twins, whose grouped
     # GEMMs read slot_rows' values in Python: no tracing with fake tensors; gradcheck covers them.
-    if op not in ("group_plan", "routing", "scatter_mm_backward", "gather_mm_act"):
+    if op not in ("group_plan", "routing", "scatter_mm_backward", "gather_mm_act", "decode_experts"):
         utils = utils + ("test_aot_dispatch_dynamic",)
     torch.library.opcheck(getattr(torch.ops.minagi, op), args, test_utils=utils)
 

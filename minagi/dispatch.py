@@ -21,8 +21,8 @@ Paths:
 A handful of characters (writing: one per stream) skips the plan on the grouped and compiled
 paths: on the CPU the pairs are sorted into one range per routed slot, on a GPU each (character,
 k) pair is a one-row range of its slot; so only the top_k slots' weights are read (on the CPU
-once each), and nothing synchronises. On the CPU's compiled path, without a gradient, the whole
-call is one op (decode_experts).
+once each), and nothing synchronises. On the CPU's compiled path, where no gradient is wanted and
+there is no callable activation, post or skip, the whole call is one op (decode_experts).
 
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """
@@ -450,7 +450,8 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
 def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool) -> bool:
     """Whether a handful of characters go through the one compiled op (decode_experts, the CPU's):
     one call instead of the unfused decode's ten, whose dispatch cost more than the GEMMs at one
-    character. Not with the caller's own activation or post, skipped ids, or a gradient."""
+    character. Not with the caller's own activation or post, out_of_range_slots='skip', or a
+    gradient."""
     return (ops is not _ops.REFERENCE and form.fn is None and post is None and valid_NK is None and not wants_grad
             and _ops.has_fused("decode_experts", x_ND.device))
 

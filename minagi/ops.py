@@ -289,13 +289,13 @@ def _decode_experts_autograd(lib: str) -> None:
     def bwd(ctx, g_y):
         saved = iter(ctx.saved_tensors)
         tensors = [next(saved) if p else None for p in ctx.present]
+        create = torch.is_grad_enabled()  # a double backward: the graph goes on through these gradients
         with torch.enable_grad():
             leaves = [t if t is None or not t.is_floating_point() or t.requires_grad
                       else t.detach().requires_grad_() for t in tensors]
             y = reference.decode_experts(*leaves, *ctx.form)
             wanted = [t for t in leaves if t is not None and t.is_floating_point()]
-            grads = iter(torch.autograd.grad(y, wanted, g_y, create_graph=torch.is_grad_enabled(),
-                                             allow_unused=True))
+            grads = iter(torch.autograd.grad(y, wanted, g_y, create_graph=create, allow_unused=True))
         return (*(next(grads) if t is not None and t.is_floating_point() else None for t in leaves), None, None, None)
 
     torch.library.register_autograd(f"{lib}::decode_experts", bwd, setup_context=setup)

@@ -303,6 +303,7 @@ def test_decode_goes_through_one_op_where_it_can(monkeypatch):
     assert fused.pop() is False
     y = expert_mlp(x[:1], slot_idx[:1], gates[:1], w_in.requires_grad_(), w_out, b_out=b_out, path="compiled")
     assert fused.pop() is False and y.requires_grad
+    assert_close(y, expert_mlp(x[:1], slot_idx[:1], gates[:1], w_in, w_out, b_out=b_out, path="rectangle"))
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -335,6 +335,8 @@ def test_decode_experts_gradients_through_the_twin(compiled):
     leaves = [t.requires_grad_() for t in (x, gates, w_in, w_out, b_out)]
     fn = lambda x, g_, wi, wo, bo: compiled.decode_experts(x, idx, g_, wi, wo, None, bo, "swiglu", 1.702, 7.0)  # noqa: E731
     assert torch.autograd.gradcheck(fn, leaves)
+    (grad_x,) = torch.autograd.grad(fn(*leaves).sum(), leaves[0])
+    assert not grad_x.requires_grad  # a first backward builds no graph for a second
 
 
 def test_decode_experts_names_bad_arguments(compiled):

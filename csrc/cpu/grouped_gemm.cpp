@@ -960,11 +960,11 @@ Act check_decode_experts_args(const at::Tensor& x, const at::Tensor& slot_idx, c
   return act;
 }
 
-// decode_experts (csrc/ops.cpp): the unfused decode's ten dispatched ops (plan, gather, two GEMMs,
-// scatter, bias) cost more than the GEMMs' own time at 1 character. Here the plan is a sort of at
-// most 32 pairs, both layers go through grouped_mm_into (the few-row kernels, their threads'
-// split, the bias and activation as in grouped_mm_act), and each character's gated sum is one
-// float32 row.
+// decode_experts (csrc/ops.cpp): the unfused decode's ten or so dispatched ops (plan, gather, two
+// GEMMs, scatter, bias) cost more than the GEMMs' own time at 1 character. Here the plan is a sort
+// of the pairs (at most 32 where dispatch calls it), both layers go through grouped_mm_into (the
+// few-row kernels, their threads' split, the bias and activation as in grouped_mm_act; b_out added
+// to each pair's output), and each character's gated sum is one row in the accumulation type.
 at::Tensor decode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx_in, const at::Tensor& gates_in,
                               const at::Tensor& w_in, const at::Tensor& w_out,
                               const c10::optional<at::Tensor>& b_in_opt, const c10::optional<at::Tensor>& b_out_opt,

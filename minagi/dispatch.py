@@ -557,13 +557,14 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
         # The caller's functions may hold parameters of their own (a norm's weight).
         wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out)) or (
             torch.is_grad_enabled() and (form.fn is not None or post is not None))
-        if _use_decode(N, cap, wants_grad, skip) and _fuses_decode(ops, x, form, valid, post, wants_grad):
+        decode = _use_decode(N, cap, wants_grad, skip)
+        if decode and _fuses_decode(ops, x, form, valid, post, wants_grad):
             with torch._C._AutoDispatchBelowAutograd():
                 y = ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
             b_out = None  # added inside, per pair
             rows_A = torch.unique(slot_idx, return_counts=True)[1] if return_stats else None
             kept, executed = valid, N * K
-        elif _use_decode(N, cap, wants_grad, skip):
+        elif decode:
             # Writing wants no gradient: the ops then run straight to their kernels, skipping the
             # Python autograd wrapper that registered ops pass through (~20 us per call).
             with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():

@@ -996,8 +996,7 @@ at::Tensor decode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx
   at::Tensor y = at::empty({N, D}, x.options());
   if (E == 0) return y.zero_();
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_decode_experts", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    for (int64_t e = 0; e < E; ++e) std::copy(xp + (pair[e] / K) * D, xp + (pair[e] / K + 1) * D, a.data_ptr<scalar_t>() + e * D);
+    gather_pair_rows(a.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), pair.data(), E, K, D);
   });
   grouped_mm_into(a, w_in, b_in, slot_ids, start, h, [&](int64_t r0, int64_t nr) {
     act_forward(act, h.narrow(0, r0, nr), hact.narrow(0, r0, nr), alpha, limit);

@@ -340,21 +340,24 @@ def test_second_derivatives_through_expert_mlp_reach_every_input(path, act):
 
 @requires_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [50, 500])
-@pytest.mark.parametrize("act", ["swiglu_oai", "swiglu_interleaved"])
-def test_interleaved_kernels_across_the_float_range_and_at_the_clamps(dtype, width, act):
-    # The CPU's own loops for the interleaved forms (GPT-OSS's clamped one, and plain SwiGLU) take
-    # the sigmoid from their own exp (a polynomial the loops vectorise): against the twin from -300
-    # to 300, exactly at +-limit, past exp's range, and NaN (a row of its own: a NaN input spreads
-    # over its row through the GEMM). bfloat16 rows go through float32 in chunks of 256 outputs: 500
-    # wide is one whole chunk and a part.
+@pytest.mark.parametrize("width", [8, 50, 500])
+@pytest.mark.parametrize("act", ["swiglu_oai", "swiglu_interleaved", "swiglu"])
+def test_swiglu_kernels_across_the_float_range_and_at_the_clamps(dtype, width, act):
+    # The CPU's own loops for the SwiGLU forms (GPT-OSS's clamped one, plain SwiGLU interleaved and
+    # in halves) take the sigmoid from their own exp (a polynomial, vectorised by GCC or written
+    # for AVX-512): against the twin from -300 to 300, exactly at +-limit, past exp's range, and
+    # NaN (a row of its own: a NaN input spreads over its row through the GEMM). Widths: under one
+    # AVX-512 vector (8), vectors and a tail (50), and in bfloat16 past a 256-output chunk (500).
     from minagi import ops
     from minagi.reference import expert_act_backward
 
     compiled, alpha, limit = ops.compiled(), 1.702, 7.0
     gate = torch.cat([torch.linspace(-300, 300, 994), torch.tensor([limit, -limit, 0.0, 60.0, -60.0, -100.0])])
     up = torch.cat([torch.linspace(40, -40, 994), torch.tensor([limit, -limit, 1.0, -limit - 1, limit + 1, 2.0])])
-    h = torch.stack([gate, up], 1).reshape(-1, 2 * width)  # gate and up interleaved, GPT-OSS's layout
+    if act == "swiglu":  # gate and up as h's halves
+        h = torch.cat([gate.reshape(-1, width), up.reshape(-1, width)], 1)
+    else:  # interleaved, GPT-OSS's layout
+        h = torch.stack([gate, up], 1).reshape(-1, 2 * width)
     h = torch.cat([h, torch.full((1, 2 * width), float("nan"))]).to(dtype)
     one = (torch.tensor([0]), torch.tensor([h.shape[0]]))
     eye = torch.eye(2 * width, dtype=dtype)[None]

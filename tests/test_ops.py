@@ -1,4 +1,6 @@
 """Each compiled op against its pure-torch twin, forward and backward; opcheck; gradcheck."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -799,6 +801,25 @@ def test_debug_checks_range_check_indices_on_the_host_first():
                            env={**__import__("os").environ, "MINAGI_DEBUG_CHECKS": switch})
         assert r.returncode != 0 and says in r.stderr, r.stderr[-1500:]
         assert ("MINAGI_DEBUG_CHECKS" in r.stderr) == (switch == "1")
+
+
+@requires_ext
+def test_portable_cpu_loops_where_avx512_is_switched_off():
+    # A CPU without AVX-512 takes the portable loops and ATen where this one runs hand-written
+    # kernels (GEMMs, few-row products, SwiGLU rows); MINAGI_CPU_BASELINE=1 makes this machine
+    # take them too, and the kernels' shape tests run again that way.
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+    tests = [f"{here / 'test_ops.py'}::{name}" for name in
+             ("test_grouped_mm_slot_shapes", "test_few_rows_kernels", "test_weight_gradients_slot_shapes",
+              "test_decode_experts_matches_twin")]
+    tests.append(f"{here / 'test_forms.py'}::test_swiglu_kernels_across_the_float_range_and_at_the_clamps")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], capture_output=True,
+                       text=True, env={**os.environ, "MINAGI_CPU_BASELINE": "1", "MINAGI_REQUIRE_EXT": "1"})
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-1500:]
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu_oai", "relu2"])

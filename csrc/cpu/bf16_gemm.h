@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "f32_gemm.h"  // transpose16
+#include "isa.h"
 
 // GCC 11 and clang 12 know both the avx512bf16 target and its CPUID name.
 #if defined(__x86_64__) && !defined(_WIN32) && \
@@ -37,8 +38,9 @@ constexpr int64_t kBf16DotMaxScratch = int64_t{16} << 20;
 #ifdef MINAGI_BF16_DOT
 
 inline bool bf16_dot_available() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+  static const bool ok = !cpu_baseline_only() && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("avx512bf16");
   return ok;
 }

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "isa.h"
+
 #if defined(__x86_64__) && !defined(_WIN32) && \
     ((defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8))
 #define MINAGI_AVX512 1
@@ -33,7 +35,7 @@ constexpr int64_t kF32MaxInner = 4096;
 #ifdef MINAGI_AVX512
 
 inline bool avx512_available() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
+  static const bool ok = !cpu_baseline_only() && __builtin_cpu_supports("avx512f");
   return ok;
 }
 

@@ -23,6 +23,7 @@
 #include "bf16_gemm.h"
 #include "rows.h"
 #include "small_rows.h"
+#include "swiglu_avx512.h"
 
 namespace minagi {
 namespace {
@@ -482,18 +483,18 @@ void interleaved_bwd_bf16(const at::BFloat16* grad, const at::BFloat16* h, at::B
   }
 }
 
-// SwiGLU's own loops. Forward, the interleaved form only (gate and up alternate in h): out =
-// silu(gate) * up. Backward, both forms: d up = grad * silu(gate), d gate = grad * up * silu'(gate),
-// gate and up `s` apart element to element (1: h's halves, 2: interleaved). ATen's silu, mul and
-// silu_backward on the forms' views took 3.3 ns an output in the backward, and 2-3x this loop's
-// time in the interleaved forward; its halves forward is as fast as this loop and stays
-// (tools/activation_probe.py).
-template <typename acc_t>
-MINAGI_SIMD_CLONES void swiglu_il_fwd_row(const acc_t* __restrict h, acc_t* __restrict o, int64_t W) {
+// SwiGLU's own loops, both forms, gate and up `s` apart element to element (1: h's halves, 2:
+// interleaved). Forward: out = silu(gate) * up. Backward: d up = grad * silu(gate), d gate = grad *
+// up * silu'(gate). ATen's silu, mul and silu_backward on the forms' views took 3.3 ns an output in
+// the backward, and 2-3x this loop's time in the interleaved forward (tools/activation_probe.py);
+// in the halves forward they were as fast, but as two ATen calls and four views a slot's part.
+template <typename acc_t, int s>
+MINAGI_SIMD_CLONES void swiglu_fwd_row(const acc_t* __restrict gate, const acc_t* __restrict up,
+                                       acc_t* __restrict o, int64_t W) {
 #pragma omp simd
   for (int64_t j = 0; j < W; ++j) {
-    const acc_t g = h[2 * j];
-    o[j] = g * sigmoid_simd(g) * h[2 * j + 1];
+    const acc_t g = gate[j * s];
+    o[j] = g * sigmoid_simd(g) * up[j * s];
   }
 }
 
@@ -510,21 +511,73 @@ MINAGI_SIMD_CLONES void swiglu_bwd_row(const acc_t* __restrict grad, const acc_t
   }
 }
 
+// A float32 or bfloat16 row through csrc/cpu/swiglu_avx512.h where the CPU has AVX-512 (false:
+// not taken, the portable loops below serve).
+template <typename scalar_t>
+bool swiglu_avx512_row(bool interleaved, const scalar_t* h, scalar_t* o, int64_t W) {
+#ifdef MINAGI_AVX512
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+    if (!swiglu512::available()) return false;
+    using T = std::conditional_t<std::is_same_v<scalar_t, float>, float, uint16_t>;
+    const T* hp = reinterpret_cast<const T*>(h);
+    T* op = reinterpret_cast<T*>(o);
+    interleaved ? swiglu512::forward_row<true>(hp, op, W) : swiglu512::forward_row<false>(hp, op, W);
+    return true;
+  }
+#endif
+  return false;
+}
+
+template <typename scalar_t>
+bool swiglu_avx512_grad_row(bool interleaved, const scalar_t* grad, const scalar_t* h, scalar_t* gh, int64_t W) {
+#ifdef MINAGI_AVX512
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+    if (!swiglu512::available()) return false;
+    using T = std::conditional_t<std::is_same_v<scalar_t, float>, float, uint16_t>;
+    const T *gp = reinterpret_cast<const T*>(grad), *hp = reinterpret_cast<const T*>(h);
+    T* ghp = reinterpret_cast<T*>(gh);
+    interleaved ? swiglu512::backward_row<true>(gp, hp, ghp, W) : swiglu512::backward_row<false>(gp, hp, ghp, W);
+    return true;
+  }
+#endif
+  return false;
+}
+
 // One row: float32 and float64 in place; bfloat16 widened to float32 a chunk at a time, as the
 // clamped form's rows are.
 template <typename scalar_t>
-void swiglu_il_row(const scalar_t* h, scalar_t* o, int64_t W) {
+void swiglu_row(bool interleaved, const scalar_t* h, scalar_t* o, int64_t W) {
+  if (swiglu_avx512_row(interleaved, h, o, W)) return;
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    interleaved_fwd_bf16(h, o, W, [](const float* hf, float* of, int64_t n) { swiglu_il_fwd_row<float>(hf, of, n); });
+    if (interleaved) {
+      interleaved_fwd_bf16(h, o, W, [](const float* hf, float* of, int64_t n) {
+        swiglu_fwd_row<float, 2>(hf, hf + 1, of, n);
+      });
+      return;
+    }
+    alignas(64) float gf[kActChunk], uf[kActChunk], of[kActChunk];
+    const uint16_t* hu = reinterpret_cast<const uint16_t*>(h);
+    for (int64_t j0 = 0; j0 < W; j0 += kActChunk) {
+      const int64_t n = std::min(kActChunk, W - j0);
+      bf16_to_float(hu + j0, gf, n);
+      bf16_to_float(hu + W + j0, uf, n);
+      swiglu_fwd_row<float, 1>(gf, uf, of, n);
+      float_to_bf16(of, reinterpret_cast<uint16_t*>(o) + j0, n);
+    }
   } else if constexpr (std::is_floating_point_v<scalar_t>) {
-    swiglu_il_fwd_row<scalar_t>(h, o, W);
+    if (interleaved) {
+      swiglu_fwd_row<scalar_t, 2>(h, h + 1, o, W);
+    } else {
+      swiglu_fwd_row<scalar_t, 1>(h, h + W, o, W);
+    }
   } else {
-    TORCH_INTERNAL_ASSERT(false, "swiglu_il_row: float16 takes ATen's kernels");
+    TORCH_INTERNAL_ASSERT(false, "swiglu_row: float16 takes ATen's kernels");
   }
 }
 
 template <typename scalar_t>
 void swiglu_grad_row(bool interleaved, const scalar_t* grad, const scalar_t* h, scalar_t* gh, int64_t W) {
+  if (swiglu_avx512_grad_row(interleaved, grad, h, gh, W)) return;
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     if (interleaved) {
       interleaved_bwd_bf16(grad, h, gh, W, [](const float* gf, const float* hf, float* ghf, int64_t n) {
@@ -558,11 +611,12 @@ void swiglu_grad_row(bool interleaved, const scalar_t* grad, const scalar_t* h, 
 // Rows of h (unit column stride) through the rows above, shared out over the threads outside a
 // part (inline inside one, like the clamped form's rows).
 template <typename scalar_t>
-void swiglu_il_rows(const at::Tensor& h, at::Tensor& out) {
+void swiglu_rows(bool interleaved, const at::Tensor& h, at::Tensor& out) {
   const int64_t W = out.size(1);
   at::parallel_for(0, h.size(0), std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      swiglu_il_row<scalar_t>(h.data_ptr<scalar_t>() + r * h.stride(0), out.data_ptr<scalar_t>() + r * out.stride(0), W);
+      swiglu_row<scalar_t>(interleaved, h.data_ptr<scalar_t>() + r * h.stride(0),
+                           out.data_ptr<scalar_t>() + r * out.stride(0), W);
     }
   });
 }
@@ -632,8 +686,9 @@ void act_forward(Act act, const at::Tensor& h, at::Tensor out, double alpha, dou
       MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_oai_rows", [&] { oai_rows<scalar_t>(h, out, alpha, limit); });
       return;
     default: {  // swiglu, swiglu_interleaved
-      if (act == Act::SwigluInterleaved && swiglu_own_takes({&h, &out})) {
-        MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_swiglu_il_rows", [&] { swiglu_il_rows<scalar_t>(h, out); });
+      if (swiglu_own_takes({&h, &out})) {
+        MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_swiglu_rows",
+                                 [&] { swiglu_rows<scalar_t>(act == Act::SwigluInterleaved, h, out); });
         return;
       }
       const auto [gate, up] = gate_up(act, h);

@@ -26,14 +26,20 @@ uneven, so no backend does the same work much faster; `ceiling` is the fastest b
 backend's time over it: the most any backend could gain there. (Until 2026-12-05 the floor ran
 every pair through one expert's weights in one matmul: it read one expert's weights instead of
 all E and wrote one weight gradient instead of E, and so undercounted the work several times
-over where experts are many.) At the decode sizes, which read only the top_k experts' weights,
-the floor reads all E: it is shown there but judges nothing.
+over where experts are many.) At the decode sizes (--decode) a call multiplies a few rows by the
+routed experts' weights, so reading those bytes is the least work: there the floor reads every
+weight and bias slice of each expert the routing names, once, as one torch.sum a slice, and
+computes nothing else. (Until late on 2026-12-05 the floor shown at the decode sizes was the
+training one, which reads all E experts, and it judged nothing there.) It is a floor of bytes,
+not of kernels: torch's sum streams them no faster than a few-row GEMM can, and with dozens of
+small slices its per-call overhead shows (minagi can run under it).
 
 Targets (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training shape; fwd >=
 1.5x; decode (1 and 4 tokens) >= 2x; peak memory no higher than grouped_mm's (within 1%: the
 small index tensors each backend keeps in its own way). Where the ratio asked for is beyond the
-ceiling (the built-in backend already runs near the floor), the target is instead to run within
-10% of the floor, which is all that is left to win.
+ceiling (the built-in backend already runs near the floor: within 1.1x of the ratio), the target
+is instead to run within 10% of the floor, which is all that is left to win; at the decode sizes
+that is reading the routed weights at the speed memory allows.
 
 MINAGI_ALLOCATOR applies to the whole process, every backend alike: MINAGI_ALLOCATOR=keep
 (minagi's cache of large blocks, minagi.allocator.keep_freed_memory()) times them as a user who
@@ -240,9 +246,23 @@ def _floor(experts, x, idx, train: bool):
     return tuple(outs)
 
 
-def _call(experts, impl, x, idx, w, train: bool):
+def _decode_floor(experts, idx):
+    """Decode's floor: every routed expert's weights (and biases) read once, as one reduction per
+    slice, nothing else. A call of 1-4 tokens multiplies a few rows by those weights, so reading
+    their bytes is all but the whole of its work; the slices are cached per routing."""
+    cache = experts.__dict__.setdefault("_floor", {})
+    key = ("decode", tuple(idx.flatten().tolist()))
+    if key not in cache:
+        E = experts.num_experts
+        params = [p.detach() for p in experts.parameters() if p.dim() >= 2 and p.shape[0] == E]
+        cache[key] = [p[e] for e in sorted(set(key[1])) if 0 <= e < E for p in params]
+    with torch.no_grad():
+        return [s.sum() for s in cache[key]]
+
+
+def _call(experts, impl, x, idx, w, train: bool, decode: bool = False):
     if impl == FLOOR:
-        return _floor(experts, x, idx, train)
+        return _decode_floor(experts, idx) if decode else _floor(experts, x, idx, train)
     experts.config._experts_implementation = impl
     if not train:
         with torch.no_grad():
@@ -253,14 +273,14 @@ def _call(experts, impl, x, idx, w, train: bool):
     return y
 
 
-def _timed(experts, impl, args, train, calls: int = 1) -> float:
+def _timed(experts, impl, args, train, calls: int = 1, decode: bool = False) -> float:
     """ms per call, over `calls` calls in a row (one sample)."""
     experts.zero_grad(set_to_none=True)
     sync = torch.cuda.synchronize if args[0].is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(calls):
-        _call(experts, impl, *args, train)
+        _call(experts, impl, *args, train, decode)
     sync()
     return (time.perf_counter() - t0) * 1e3 / calls
 
@@ -333,7 +353,7 @@ def bench_block(name, dtype, T, train, backends, rounds, slow_s, max_gb, device,
     live = [b for b in backends if b not in skipped]
     calls = {}
     for impl in live:  # warm-up; a slow backend's warm-up is its one round
-        t = _timed(experts, impl, args, train)
+        t = _timed(experts, impl, args, train, 1, decode)
         times[impl] = [t] if t > slow_s * 1e3 else []
         calls[impl] = 1 if train else max(1, math.ceil(SAMPLE_MS / max(t, 1e-3)))
     for r in range(rounds):
@@ -341,7 +361,7 @@ def bench_block(name, dtype, T, train, backends, rounds, slow_s, max_gb, device,
         for impl in order:
             if len(times[impl]) == 1 and times[impl][0] > slow_s * 1e3:
                 continue
-            times[impl].append(_timed(experts, impl, args, train, calls[impl]))
+            times[impl].append(_timed(experts, impl, args, train, calls[impl], decode))
     ms = {impl: statistics.median(v) for impl, v in times.items()}
     return {"block": name, "dtype": str(dtype).replace("torch.", ""), "tokens": T, "mode": "fwd+bwd" if train else
             "fwd", "decode": decode, "ms": ms, "rounds": {i: len(v) for i, v in times.items()},
@@ -396,8 +416,7 @@ def check_targets(results, peaks) -> list[tuple[str, float, str, bool]]:
         need = 2.0 if r["mode"] == "fwd+bwd" or decode else 1.5
         what = f"{r['block']} {r['dtype']} T={r['tokens']} {'decode' if decode else r['mode']}"
         floor = r["ms"].get(FLOOR)
-        # A decode call reads only its top_k experts; the floor reads all E, so it is no floor there.
-        if floor and not decode and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) beyond the ceiling
+        if floor and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) beyond the ceiling
             of_floor = r["ms"]["minagi"] / floor
             out.append((f"{what} vs the floor (ceiling {builtin[best] / floor:.2f}x)", of_floor,
                         f"<= {FLOOR_SLACK:.2f}x", of_floor <= FLOOR_SLACK))

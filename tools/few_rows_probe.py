@@ -4,7 +4,10 @@ products of writing (decode), where the weights' bytes are the whole cost. 8 slo
 layouts: "row" is a [K, M] weight read in place, "col" the .mT view of an nn.Linear-style [M, K]
 one (how Mixtral's and most transformers experts come in).
 
-    THP_MEM_ALLOC_ENABLE=1 python tools/few_rows_probe.py [--threads N] [--rounds 7]
+    THP_MEM_ALLOC_ENABLE=1 python tools/few_rows_probe.py [--threads N] [--rounds 7] [--slots 8]
+
+--slots 1 (8 MiB in bfloat16, 16 in float32) keeps the weights in the L3 cache between calls: the
+kernels' own speed, as in a benchmark that calls one block again and again, not memory's.
 
 Prints GB/s of weights read per call (median over interleaved rounds of 5 calls each).
 THP_MEM_ALLOC_ENABLE=1 puts torch's tensors on 2 MiB pages: on this VM, 4 KiB pages made fresh
@@ -16,13 +19,14 @@ import time
 
 import torch
 
-S, K, M = 8, 1024, 4096
+K, M = 1024, 4096
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch's default where not given")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--slots", type=int, default=8, help="slots of [1,024 x 4,096] weights, each read per call")
     args = p.parse_args(argv)
     import minagi.ops  # noqa: F401  (registers torch.ops.minagi)
 
@@ -30,6 +34,7 @@ def main(argv=None) -> int:
         raise SystemExit("few_rows_probe: minagi's extension is not loaded (python -m minagi doctor says why)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    S = args.slots
     g = torch.Generator().manual_seed(0)
     cases = []
     for dt in (torch.bfloat16, torch.float32):

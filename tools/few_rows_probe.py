@@ -9,7 +9,8 @@ one (how Mixtral's and most transformers experts come in).
 --slots 1 (8 MiB in bfloat16, 16 in float32) keeps the weights in the L3 cache between calls: the
 kernels' own speed, as in a benchmark that calls one block again and again, not memory's.
 
-Prints GB/s of weights read per call (median over interleaved rounds of 5 calls each).
+Prints GB/s of weights read per call (median over interleaved rounds of 5 calls each), and beside
+them torch.sum's over the same weights, a slot at a time: how fast a plain pass reads those bytes.
 THP_MEM_ALLOC_ENABLE=1 puts torch's tensors on 2 MiB pages: on this VM, 4 KiB pages made fresh
 processes run bimodally. Nothing else may run beside it. Compare builds by running it from each.
 """
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
             for name, w in layouts.items():
                 call = lambda a=a, w=w, r=slot_rows: torch.ops.minagi.grouped_mm(a, w, ids, r)  # noqa: E731
                 cases.append((f"{str(dt)[6:]:<9}{name:<4}{rows} rows", w.numel() * w.element_size(), call))
+        w = layouts["row"]  # the same bytes read by torch's sum, a slot at a time: the speed of a plain read
+        cases.append((f"{str(dt)[6:]:<9}torch.sum", w.numel() * w.element_size(), lambda w=w: [s.sum() for s in w]))
     rates = {name: [] for name, _, _ in cases}
     for _ in range(args.rounds):
         for name, nbytes, call in cases:

@@ -340,14 +340,16 @@ def test_second_derivatives_through_expert_mlp_reach_every_input(path, act):
 
 @requires_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [8, 50, 500])
+@pytest.mark.parametrize("width", [8, 25, 50, 500])
 @pytest.mark.parametrize("act", ["swiglu_oai", "swiglu_interleaved", "swiglu"])
 def test_swiglu_kernels_across_the_float_range_and_at_the_clamps(dtype, width, act):
     # The CPU's own loops for the SwiGLU forms (GPT-OSS's clamped one, plain SwiGLU interleaved and
     # in halves) take the sigmoid from their own exp (a polynomial, vectorised by GCC or written
     # for AVX-512): against the twin from -300 to 300, exactly at +-limit, past exp's range, and
     # NaN (a row of its own: a NaN input spreads over its row through the GEMM). Widths: under one
-    # AVX-512 vector (8), vectors and a tail (50), and in bfloat16 past a 256-output chunk (500).
+    # AVX-512 vector (8), vectors and a tail (50; 25: a tail of 9, past half of the interleaved
+    # layout's second vector), and in bfloat16 past a 256-output chunk (500). bfloat16 is the
+    # float32 arithmetic rounded to nearest even, bit for bit.
     from minagi import ops
     from minagi.reference import expert_act_backward
 
@@ -370,3 +372,39 @@ def test_swiglu_kernels_across_the_float_range_and_at_the_clamps(dtype, width, a
     g_want, _ = expert_act_backward(grad.double(), h.double(), *one, act, alpha, limit, 1, False)
     assert g_got[-1].isnan().all()
     assert_close(g_got[:-1], g_want[:-1], dtype)
+    if dtype == torch.bfloat16:  # torch's own rounding keeps a NaN's sign and payload: the NaN row is left out
+        f32 = compiled.grouped_mm_act(h.float(), eye.float(), None, *one, act, alpha, limit)[1]
+        assert torch.equal(got[:-1].view(torch.int16), f32[:-1].to(dtype).view(torch.int16))
+        assert (got[-1].view(torch.int16) == 0x7FC0).all()  # NaN as c10::BFloat16 rounds it
+        g32, _ = compiled.expert_act_backward(grad.float(), h.float(), *one, act, alpha, limit, 1, False)
+        assert torch.equal(g_got[:-1].view(torch.int16), g32[:-1].to(dtype).view(torch.int16))
+
+
+@requires_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["swiglu_interleaved", "swiglu"])
+def test_swiglu_kernels_at_infinities_as_the_twin(dtype, act):
+    # silu(-inf) is -inf / inf = NaN in the twin (torch's silu); the kernels' clamped exp would give
+    # -inf there unless they say otherwise. Gates and ups of +-inf, both passes, both layouts.
+    from minagi import ops
+    from minagi.reference import expert_act_backward
+
+    compiled, inf = ops.compiled(), float("inf")
+    gate = torch.tensor([-inf, inf, 1.0, -1.0, 0.0, -inf, inf, 2.0] * 3)
+    up = torch.tensor([2.0, 3.0, inf, -inf, inf, -inf, -inf, 0.5] * 3)
+    W = gate.numel()
+    h = torch.cat([gate, up])[None] if act == "swiglu" else torch.stack([gate, up], 1).reshape(1, 2 * W)
+    one = (torch.tensor([0]), torch.tensor([1]))
+    # Forward through the fused first layer: rows times 10 * identity, so that +-3e38 overflows to
+    # +-inf in the GEMM without a NaN (an infinite input would meet the identity's zeros).
+    x = torch.where(h.isinf(), h.sign() * 3e38, h / 10).to(dtype)
+    h_got, got = compiled.grouped_mm_act(x, 10 * torch.eye(2 * W, dtype=dtype)[None], None, *one, act, 1.0, 7.0)
+    assert torch.equal(h_got.isinf(), h.isinf())
+    grad = torch.ones(1, W, dtype=dtype)
+    g_got, _ = compiled.expert_act_backward(grad, h.to(dtype), *one, act, 1.0, 7.0, 1, False)
+    g_want, _ = expert_act_backward(grad.double(), h.double(), *one, act, 1.0, 7.0, 1, False)
+    for a, b in ((got, activate(h_got.double(), act)), (g_got, g_want)):
+        assert torch.equal(a.isnan(), b.isnan()) and a.isnan().any()
+        assert torch.equal(a.isinf(), b.isinf()) and torch.equal(a[a.isinf()].sign(), b[b.isinf()].sign().to(dtype))
+        finite = b.isfinite()
+        assert_close(a[finite], b[finite], dtype)

@@ -816,7 +816,9 @@ def test_portable_cpu_loops_where_avx512_is_switched_off():
     tests = [f"{here / 'test_ops.py'}::{name}" for name in
              ("test_grouped_mm_slot_shapes", "test_few_rows_kernels", "test_weight_gradients_slot_shapes",
               "test_decode_experts_matches_twin")]
-    tests.append(f"{here / 'test_forms.py'}::test_swiglu_kernels_across_the_float_range_and_at_the_clamps")
+    tests += [f"{here / 'test_forms.py'}::{name}" for name in
+              ("test_swiglu_kernels_across_the_float_range_and_at_the_clamps",
+               "test_swiglu_kernels_at_infinities_as_the_twin")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], capture_output=True,
                        text=True, env={**os.environ, "MINAGI_CPU_BASELINE": "1", "MINAGI_REQUIRE_EXT": "1"})
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-1500:]

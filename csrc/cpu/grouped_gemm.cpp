@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 #include <utility>
@@ -494,7 +495,8 @@ MINAGI_SIMD_CLONES void swiglu_fwd_row(const acc_t* __restrict gate, const acc_t
 #pragma omp simd
   for (int64_t j = 0; j < W; ++j) {
     const acc_t g = gate[j * s];
-    o[j] = g * sigmoid_simd(g) * up[j * s];
+    const acc_t v = g * sigmoid_simd(g) * up[j * s];
+    o[j] = g == -std::numeric_limits<acc_t>::infinity() ? std::numeric_limits<acc_t>::quiet_NaN() : v;  // as the twin
   }
 }
 
@@ -506,8 +508,11 @@ MINAGI_SIMD_CLONES void swiglu_bwd_row(const acc_t* __restrict grad, const acc_t
   for (int64_t j = 0; j < W; ++j) {
     const acc_t g = gate[j * s], gr = grad[j];
     const acc_t sg = sigmoid_simd(g);
-    d_up[j * s] = gr * g * sg;
-    d_gate[j * s] = gr * up[j * s] * sg * (acc_t(1) + g * (acc_t(1) - sg));
+    const bool minus_inf = g == -std::numeric_limits<acc_t>::infinity();  // NaN there, as the twin
+    const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    const acc_t du = gr * g * sg, dg = gr * up[j * s] * sg * (acc_t(1) + g * (acc_t(1) - sg));
+    d_up[j * s] = minus_inf ? nan : du;
+    d_gate[j * s] = minus_inf ? nan : dg;
   }
 }
 

@@ -8,7 +8,7 @@
 // on every row of every slot, forward and backward: a pass of the sigmoid over [E, I].
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
-// attribute, and callers ask swiglu_avx512_available() (CPUID, once) first.
+// attribute, and callers ask swiglu512::available() (CPUID, once) first.
 #pragma once
 
 #include <algorithm>
@@ -138,6 +138,13 @@ MINAGI_AVX512BW_TARGET inline void store_pairs(uint16_t* gh, int64_t W, int64_t 
   }
 }
 
+// NaN where gate is -inf, as the twin gives (silu(-inf) = -inf / inf there); the clamped exp
+// would give -inf * sigmoid(-87) = -inf.
+MINAGI_AVX512BW_TARGET inline __m512 nan_at_minus_inf(__m512 gate, __m512 v) {
+  const __mmask16 m = _mm512_cmp_ps_mask(gate, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
+  return _mm512_mask_mov_ps(v, m, _mm512_set1_ps(__builtin_nanf("")));
+}
+
 // One row: o[j] = silu(gate_j) * up_j for j < W. T is float or uint16_t (bfloat16's bits).
 template <bool kInterleaved, typename T>
 MINAGI_AVX512BW_TARGET void forward_row(const T* h, T* o, int64_t W) {
@@ -145,7 +152,8 @@ MINAGI_AVX512BW_TARGET void forward_row(const T* h, T* o, int64_t W) {
     const int64_t n = std::min<int64_t>(16, W - j);
     __m512 gate, up;
     load_pairs<kInterleaved>(h, W, j, n, gate, up);
-    store16(o + j, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid(gate)), up), tail16(n));
+    const __m512 out = _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid(gate)), up);
+    store16(o + j, nan_at_minus_inf(gate, out), tail16(n));
   }
 }
 
@@ -162,7 +170,7 @@ MINAGI_AVX512BW_TARGET void backward_row(const T* grad, const T* h, T* gh, int64
     const __m512 d_up = _mm512_mul_ps(_mm512_mul_ps(gr, gate), sg);
     const __m512 dsilu = _mm512_mul_ps(sg, _mm512_fmadd_ps(gate, _mm512_sub_ps(one, sg), one));
     const __m512 d_gate = _mm512_mul_ps(_mm512_mul_ps(gr, up), dsilu);
-    store_pairs<kInterleaved>(gh, W, j, n, d_gate, d_up);
+    store_pairs<kInterleaved>(gh, W, j, n, nan_at_minus_inf(gate, d_gate), nan_at_minus_inf(gate, d_up));
   }
 }
 

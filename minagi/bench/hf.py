@@ -39,7 +39,9 @@ Targets (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training
 small index tensors each backend keeps in its own way). Where the ratio asked for is beyond the
 ceiling (the built-in backend already runs near the floor: within 1.1x of the ratio), the target
 is instead to run within 10% of the floor, which is all that is left to win; at the decode sizes
-that is reading the routed weights at the speed memory allows.
+that is reading the routed weights at the speed memory allows. A decode floor that minagi runs
+more than 10% under is loose (torch's sum over dozens of small slices pays more per call than for
+their bytes), so it cannot say 2x is out of reach: such a row keeps the 2x target.
 
 MINAGI_ALLOCATOR applies to the whole process, every backend alike: MINAGI_ALLOCATOR=keep
 (minagi's cache of large blocks, minagi.allocator.keep_freed_memory()) times them as a user who
@@ -416,7 +418,10 @@ def check_targets(results, peaks) -> list[tuple[str, float, str, bool]]:
         need = 2.0 if r["mode"] == "fwd+bwd" or decode else 1.5
         what = f"{r['block']} {r['dtype']} T={r['tokens']} {'decode' if decode else r['mode']}"
         floor = r["ms"].get(FLOOR)
-        if floor and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) beyond the ceiling
+        # A decode floor that minagi runs well under is loose (torch's sum over many small slices pays
+        # more per call than for the bytes): it cannot say 2x is out of reach, and the row keeps 2x.
+        loose = decode and floor and r["ms"]["minagi"] * FLOOR_SLACK < floor
+        if floor and not loose and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) beyond the ceiling
             of_floor = r["ms"]["minagi"] / floor
             out.append((f"{what} vs the floor (ceiling {builtin[best] / floor:.2f}x)", of_floor,
                         f"<= {FLOOR_SLACK:.2f}x", of_floor <= FLOOR_SLACK))

@@ -61,14 +61,7 @@ at::Tensor weighted_scatter_cpu(const at::Tensor& rows_in, const at::Tensor& des
     at::parallel_for(0, N, std::max<int64_t>(1, 4096 / std::max<int64_t>(D * k, 1)), [&](int64_t b, int64_t e) {
       std::vector<acc_t> acc(D);
       for (int64_t n = b; n < e; ++n) {
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t r = dp[n * k + j];
-          if (r < 0) continue;
-          const acc_t g = gp == nullptr ? acc_t(1) : static_cast<acc_t>(gp[n * k + j]);
-          axpy_row(acc.data(), g, rowp + r * D, D);
-        }
-        store_row(op_ + n * D, acc.data(), D);
+        gated_row_sum(op_ + n * D, rowp, dp + n * k, gp == nullptr ? nullptr : gp + n * k, k, D, acc.data());
       }
     });
   });

@@ -1049,12 +1049,12 @@ at::Tensor decode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx
   const at::Tensor slot_ids = at::tensor(ids, idx.options());
   const at::Tensor b_in = b_in_opt.has_value() ? b_in_opt->contiguous() : at::Tensor();
   const at::Tensor b_out = b_out_opt.has_value() ? b_out_opt->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({N, D}, x.options());
+  if (E == 0) return y.zero_();
   at::Tensor a = at::empty({E, D}, x.options());
   at::Tensor h = at::empty({E, M}, x.options());
   at::Tensor hact = at::empty({E, act_gated(act) ? M / 2 : M}, x.options());
   at::Tensor out = at::empty({E, D}, x.options());
-  at::Tensor y = at::empty({N, D}, x.options());
-  if (E == 0) return y.zero_();
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_decode_experts", [&] {
     gather_pair_rows(a.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), pair.data(), E, K, D);
   });
@@ -1063,14 +1063,10 @@ at::Tensor decode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx
   });
   grouped_mm_into(hact, w_out, b_out, slot_ids, start, out, [](int64_t, int64_t) {});
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_decode_experts", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* gp = gates.data_ptr<scalar_t>();
-    const scalar_t* op_ = out.data_ptr<scalar_t>();
-    std::vector<acc_t> acc(D);
+    std::vector<at::opmath_type<scalar_t>> acc(D);
     for (int64_t n = 0; n < N; ++n) {
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t j = 0; j < K; ++j) axpy_row(acc.data(), static_cast<acc_t>(gp[n * K + j]), op_ + dest[n * K + j] * D, D);
-      store_row(y.data_ptr<scalar_t>() + n * D, acc.data(), D);
+      gated_row_sum(y.data_ptr<scalar_t>() + n * D, out.data_ptr<scalar_t>(), dest.data() + n * K,
+                    gates.data_ptr<scalar_t>() + n * K, K, D, acc.data());
     }
   });
   return y;

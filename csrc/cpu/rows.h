@@ -114,5 +114,19 @@ MINAGI_SIMD_CLONES void store_row(scalar_t* __restrict x, const acc_t* __restric
   }
 }
 
+// One character's output row: out = sum over j < k of gates[j] * rows[dest[j]], summed in acc_t in
+// acc (D values of scratch) and rounded once; a negative dest adds nothing, no gates means 1.
+// weighted_scatter's row, and decode_experts' gated sum.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void gated_row_sum(scalar_t* out, const scalar_t* rows, const int64_t* dest, const scalar_t* gates, int64_t k,
+                   int64_t D, acc_t* acc) {
+  std::fill(acc, acc + D, acc_t(0));
+  for (int64_t j = 0; j < k; ++j) {
+    if (dest[j] < 0) continue;
+    axpy_row(acc, gates == nullptr ? acc_t(1) : static_cast<acc_t>(gates[j]), rows + dest[j] * D, D);
+  }
+  store_row(out, acc, D);
+}
+
 }  // namespace
 }  // namespace minagi

@@ -17,6 +17,13 @@
 #include "f32_gemm.h"  // MINAGI_AVX512 and <immintrin.h>
 #include "isa.h"
 
+// GCC's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* values.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace minagi {
 namespace swiglu512 {
 
@@ -182,3 +189,5 @@ inline bool available() { return false; }
 
 }  // namespace swiglu512
 }  // namespace minagi
+
+#pragma GCC diagnostic pop

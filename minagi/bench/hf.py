@@ -251,15 +251,16 @@ def _floor(experts, x, idx, train: bool):
 def _decode_floor(experts, idx):
     """Decode's floor: every routed expert's weights (and biases) read once, as one reduction per
     slice, nothing else. A call of 1-4 tokens multiplies a few rows by those weights, so reading
-    their bytes is all but the whole of its work; the slices are cached per routing."""
+    their bytes is all but the whole of its work. The slices are found once per routing tensor, so
+    the timed calls do nothing but the sums."""
     cache = experts.__dict__.setdefault("_floor", {})
-    key = ("decode", tuple(idx.flatten().tolist()))
-    if key not in cache:
+    if cache.get("decode_idx") is not idx:
         E = experts.num_experts
         params = [p.detach() for p in experts.parameters() if p.dim() >= 2 and p.shape[0] == E]
-        cache[key] = [p[e] for e in sorted(set(key[1])) if 0 <= e < E for p in params]
+        cache["decode_idx"] = idx
+        cache["decode"] = [p[e] for e in sorted(set(idx.flatten().tolist())) if 0 <= e < E for p in params]
     with torch.no_grad():
-        return [s.sum() for s in cache[key]]
+        return [s.sum() for s in cache["decode"]]
 
 
 def _call(experts, impl, x, idx, w, train: bool, decode: bool = False):

@@ -264,14 +264,14 @@ def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (64, 1026), (257, 1027)])
+@pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (64, 1026), (257, 1027), (40, 2085)])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
 @pytest.mark.parametrize("copies", [1, 3])
 def test_few_rows_kernels(compiled, K, M, transposed, dtype, copies):
     # Writing's products: ranges of 1 to 4 rows (and an empty one), through csrc/cpu/small_rows.h
     # where the CPU has AVX-512 (the portable loops elsewhere), in both weight layouts, with every
-    # remainder of their 16/32-value steps and of the 512-column chunk. On one thread each range
+    # remainder of their 16/32-value steps and of the 2,048-column chunk. On one thread each range
     # is one part; on 3, small_ranges_by_columns shares them out: 5 ranges have their columns cut
     # (the bias added to each part's columns), 15 are a part each; then the activation runs once
     # over all rows.

@@ -37,6 +37,16 @@ constexpr int kMaxRows = 4;
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
+// A weight vector as two 256-bit loads joined in a register. Streamed from past the L2 (the L3 or
+// memory), whole 512-bit loads read 12-25% slower on this Zen 4 (2 threads, a [K = 1,024]-column
+// slot: 36-42 GB/s from 48 MiB, where a plain sum reads 44-48 and the halves 44-50; 23-24 from
+// memory against 27-28); from the L2 and L3 the halves are as fast. x, read from L1, keeps its
+// 512-bit loads.
+MINAGI_AVX512_TARGET inline __m512 load_halves_ps(const float* p) {
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(p + 8)), 1));
+}
+
 // Independent sums a row in the column kernels (8 for one row, 4 a row for more: 8-16 in all),
 // enough to hide the FMA latency. One column is taken after another, so the slot is read as one
 // sequential stream (4 columns at once, 4 streams of 4 KiB each, ran 30% slower at one row).
@@ -54,7 +64,7 @@ MINAGI_AVX512_TARGET inline void f32_col(const float* a, int64_t lda, const floa
   int64_t k = 0;
   for (; k + 16 * U <= K; k += 16 * U) {
     for (int u = 0; u < U; ++u) {
-      const __m512 w = _mm512_loadu_ps(b + k + 16 * u);
+      const __m512 w = load_halves_ps(b + k + 16 * u);
       for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(a + r * lda + k + 16 * u), w, acc[r][u]);
     }
   }
@@ -82,6 +92,12 @@ MINAGI_AVX512_TARGET inline void f32(const float* a, int64_t lda, const float* b
 
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? __mmask32(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1); }
 
+// load_halves_ps's bfloat16 twin: 32 values as two 256-bit loads.
+MINAGI_BF16_TARGET inline __m512i load_halves_si(const uint16_t* p) {
+  const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_inserti64x4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)), 1);
+}
+
 // As c10::BFloat16 rounds (nearest even).
 inline uint16_t to_bf16(float v) { return c10::BFloat16(v).x; }
 
@@ -96,7 +112,7 @@ MINAGI_BF16_TARGET inline void bf16_col(const uint16_t* a, int64_t lda, const ui
   int64_t k = 0;
   for (; k + 32 * U <= K; k += 32 * U) {
     for (int u = 0; u < U; ++u) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(b + k + 32 * u);
+      const __m512bh w = (__m512bh)load_halves_si(b + k + 32 * u);
       for (int r = 0; r < R; ++r)
         acc[r][u] = _mm512_dpbf16_ps(acc[r][u], (__m512bh)_mm512_loadu_si512(a + r * lda + k + 32 * u), w);
     }
@@ -113,7 +129,11 @@ MINAGI_BF16_TARGET inline void bf16_col(const uint16_t* a, int64_t lda, const ui
   }
 }
 
-constexpr int64_t kRowChunk = 512;  // output columns whose float32 sums stay in L1 (2 KiB a row)
+// Output columns a pass of bf16_rows takes; their float32 sums (8 KiB a row) stay in L1. Each
+// pass reads a 4 KiB run of every one of b's rows: with 512 columns (1 KiB runs, 8 KiB apart) the
+// slot came from memory at 0.54-0.75x torch.sum's speed, with 2,048 at 0.65-1.0x (4,096 was no
+// better, 1,024 worse for 3 and 4 rows; tools/few_rows_probe.py --slots 8).
+constexpr int64_t kRowChunk = 2048;
 
 // P pairs of b's rows (k, k + 1), ..., (k + 2P - 2, k + 2P - 1) times the R rows' matching values,
 // added into y[r][0, nc): the pairs are interleaved in registers (as bf16_dot's pack_block does in

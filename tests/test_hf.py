@@ -278,6 +278,28 @@ def test_bench_hf_decode_floor_reads_each_routed_experts_weights_once():
         assert len(bench._call(experts, bench.FLOOR, x, idx, None, False)) == 2
 
 
+def test_bench_hf_sizes_a_decode_sample_by_a_warm_call(monkeypatch):
+    # A backend's first call pays one-off costs (tens of ms); sized by it, a decode sample of a
+    # 1 ms call would be one or two calls, each after another backend has run: mostly cold.
+    from minagi.bench import hf as bench
+
+    seen = {}
+
+    def fake_timed(experts, impl, args, train, calls=1, decode=False):
+        seen.setdefault(impl, []).append(calls)
+        return 50.0 if len(seen[impl]) == 1 else 1.0  # the first call slow, the rest 1 ms
+
+    monkeypatch.setattr(bench, "_timed", fake_timed)
+    r = bench.bench_block("mixtral", torch.float32, 1, False, ["grouped_mm", "minagi"], 2, 60.0, 1.0, "cpu",
+                          scale=0.125, decode=True)
+    want = int(bench.SAMPLE_MS)  # 20 calls of 1 ms
+    assert r["calls_per_sample"] == {"grouped_mm": want, "minagi": want}
+    assert seen["minagi"] == [1, 1, want, want] and r["ms"]["minagi"] == 1.0
+    seen.clear()  # training calls are timed one at a time, after one warm-up
+    r = bench.bench_block("mixtral", torch.float32, 8, True, ["minagi"], 2, 60.0, 1.0, "cpu", scale=0.125)
+    assert seen["minagi"] == [1, 1, 1] and r["calls_per_sample"] == {"minagi": 1}
+
+
 def test_profile_tool_shows_where_a_backends_time_goes_beside_the_floor():
     from pathlib import Path
 

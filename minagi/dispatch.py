@@ -482,6 +482,42 @@ def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH
     return ops.weighted_scatter(out_RD, dest_NK, pair_R, gates_NK), rows_R
 
 
+def _takes_decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_of_range: str, path: str,
+                     capacity_factor, n_valid) -> bool:
+    """Whether the call is writing's: a handful of characters, no gradient, the CPU's one decode op
+    (decode_experts) and nothing the general path would do besides it. Decided from a few
+    attributes only: after the op has streamed megabytes of weights, every Python line and small
+    op of the general path runs from a cold cache (_check_inputs took 50-80 us a call there, 10 on
+    a warm one)."""
+    if not (type(x) is torch.Tensor and type(slot_idx) is torch.Tensor and isinstance(gates, torch.Tensor)
+            and isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor)):
+        return False
+    if form.fn is not None or out_of_range != "error" or path not in ("auto", "compiled") or n_valid is not None:
+        return False
+    if capacity_factor != 0 or x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3:
+        return False
+    if not (0 < x.shape[0] <= DECODE_MAX_CHARS and 1 <= slot_idx.shape[1] <= w_in.shape[0]):
+        return False
+    if not gates.is_floating_point() or not _ops.supports(x.device):
+        return False
+    wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out))
+    return not wants_grad and _fuses_decode(_ops.compiled(), x, form, None, None, wants_grad)
+
+
+def _decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out):
+    """decode_experts without expert_mlp's Python checks in front: the op checks every argument
+    itself. Where it refuses one, _check_inputs names the problem in expert_mlp's words, as it
+    would have before the call; a problem only the op sees is raised as the op raised it."""
+    try:
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ops.compiled().decode_experts(x, slot_idx, gates.to(x.dtype), w_in, w_out, b_in, b_out,
+                                                  *_form_args(form))
+    except Exception as e:  # noqa: BLE001 (re-raised below unless the checks name it)
+        refused = e
+    _check_inputs(x, slot_idx, gates, w_in, w_out, form, b_in, b_out, "error")
+    raise refused
+
+
 def _add_out_bias(y_ND, b_out_SD, slot_idx_NK, gates_NK, kept_NK):
     """y + sum over the kept pairs of gate * b_out[slot]: the gates spread over the slots, [N, S],
     times b_out (no [N, k, d] gather)."""
@@ -533,6 +569,9 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     not in the cap. Returns y [N, d], or (y, DispatchStats) with return_stats.
     """
     form = Form.of(activation, alpha, limit)
+    if post is None and not return_stats and _takes_decode_op(x, slot_idx, gates, w_in, w_out, form, b_in, b_out,
+                                                              out_of_range_slots, path, capacity_factor, n_valid):
+        return _decode_op(x, slot_idx, gates, w_in, w_out, form, b_in, b_out)
     if post is not None and not callable(post):
         raise TypeError(f"expert_mlp: post must be a callable or None, got {type(post).__name__}")
     post_pair = None if post is None else (b_out, post)  # b_out goes in per pair, before post

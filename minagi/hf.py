@@ -74,12 +74,15 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    x = hidden_states.to(call.w_in.dtype)  # autocast may hand fp32 states to bf16 experts
+    # Each .to() is a dispatched op even where nothing changes: decoding pays for it per layer and
+    # token, after its weights have pushed everything else out of the cache.
+    dtype = call.w_in.dtype
+    x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)  # autocast: fp32 states
+    idx = top_k_index if top_k_index.dtype == torch.long else top_k_index.long()
     skip = "skip" if getattr(self, "_is_expert_parallel", False) else "error"
-    y = expert_mlp(x, top_k_index.long(), top_k_weights, call.w_in, call.w_out, activation=call.activation,
-                   b_in=call.b_in, b_out=call.b_out, alpha=call.alpha, limit=call.limit, post=call.post,
-                   out_of_range_slots=skip)
-    return y.to(hidden_states.dtype)
+    y = expert_mlp(x, idx, top_k_weights, call.w_in, call.w_out, activation=call.activation, b_in=call.b_in,
+                   b_out=call.b_out, alpha=call.alpha, limit=call.limit, post=call.post, out_of_range_slots=skip)
+    return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 
 def _call(m) -> _Call | str:
@@ -121,13 +124,11 @@ def _activation(m, gated: bool):
 def _plain_activation(act) -> str | None:
     """The form whose math an act_fn module computes exactly, by its type (not a subclass, which
     may compute something else)."""
-    import torch.nn.functional as F
-    from transformers import activations as A
-
+    A = _activations()
     kind = type(act)
     if kind in (A.SiLUActivation, torch.nn.SiLU):
         return "silu"
-    if kind is A.GELUActivation and act.act is F.gelu:
+    if kind is A.GELUActivation and act.act is torch.nn.functional.gelu:
         return "gelu"
     if kind is torch.nn.GELU:
         return {"none": "gelu", "tanh": "gelu_tanh"}[act.approximate]
@@ -136,6 +137,14 @@ def _plain_activation(act) -> str | None:
     if kind is A.ReLUSquaredActivation:
         return "relu2"
     return None
+
+
+@functools.cache
+def _activations():
+    """transformers.activations, found once: every decode call asks which form its act_fn is."""
+    from transformers import activations
+
+    return activations
 
 
 @functools.cache

@@ -111,30 +111,39 @@ def test_non_contiguous_inputs(path):
     assert_close(expert_mlp(x_t, idx_t, g_t, w_in_t, w_out_t, path=path), want)
 
 
-def _bad(**overrides):
-    args = {"x": torch.randn(5, 4), "slot_idx": torch.zeros(5, 2, dtype=torch.long), "gates": torch.ones(5, 2),
+def _bad(n=5, **overrides):
+    args = {"x": torch.randn(n, 4), "slot_idx": torch.zeros(n, 2, dtype=torch.long), "gates": torch.ones(n, 2),
             "w_in": torch.randn(3, 4, 6), "w_out": torch.randn(3, 6, 4)}
     args.update(overrides)
     return args
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"x": torch.randn(5)}, "x must be \\[N, d\\]"),
-    ({"x": torch.ones(5, 4, dtype=torch.long)}, "x must be a floating-point"),
-    ({"slot_idx": torch.zeros(5, 2, dtype=torch.int32)}, "slot_idx must be int64"),
-    ({"slot_idx": torch.zeros(4, 2, dtype=torch.long)}, "slot_idx must be \\[N, k\\]"),
-    ({"slot_idx": torch.full((5, 2), 3)}, "slot_idx holds 3, outside \\[0, S = 3\\)"),
-    ({"slot_idx": torch.full((5, 2), -1)}, "slot_idx holds -1"),
-    ({"slot_idx": torch.zeros(5, 4, dtype=torch.long), "gates": torch.ones(5, 4)}, "top_k .* must be in \\[1, S = 3\\]"),
-    ({"gates": torch.ones(5, 3)}, "gates must have slot_idx's shape"),
-    ({"gates": torch.ones(5, 2, dtype=torch.long)}, "gates must be a floating-point tensor, got torch.int64"),
-    ({"w_in": torch.randn(3, 5, 6)}, "w_in.shape\\[1\\] \\(5\\) must equal x.shape\\[1\\] \\(4\\)"),
-    ({"w_out": torch.randn(3, 6, 5)}, "w_out must be \\[S, h, d\\]"),
-    ({"w_in": torch.randn(4, 6)}, "w_in must be \\[S, d, h\\]"),
+    (lambda n: {"x": torch.randn(n)}, "x must be \\[N, d\\]"),
+    (lambda n: {"x": torch.ones(n, 4, dtype=torch.long)}, "x must be a floating-point"),
+    (lambda n: {"slot_idx": torch.zeros(n, 2, dtype=torch.int32)}, "slot_idx must be int64"),
+    (lambda n: {"slot_idx": torch.zeros(n - 1, 2, dtype=torch.long)}, "slot_idx must be \\[N, k\\]"),
+    (lambda n: {"slot_idx": torch.full((n, 2), 3)}, "slot_idx holds 3, outside \\[0, S = 3\\)"),
+    (lambda n: {"slot_idx": torch.full((n, 2), -1)}, "slot_idx holds -1"),
+    (lambda n: {"slot_idx": torch.zeros(n, 4, dtype=torch.long), "gates": torch.ones(n, 4)},
+     "top_k .* must be in \\[1, S = 3\\]"),
+    (lambda n: {"gates": torch.ones(n, 3)}, "gates must have slot_idx's shape"),
+    (lambda n: {"gates": torch.ones(n, 2, dtype=torch.long)}, "gates must be a floating-point tensor, got torch.int64"),
+    (lambda n: {"gates": torch.ones(n, 2, dtype=torch.float64)}, None),  # any floating dtype: computed in x's
+    (lambda n: {"w_in": torch.randn(3, 5, 6)}, "w_in.shape\\[1\\] \\(5\\) must equal x.shape\\[1\\] \\(4\\)"),
+    (lambda n: {"w_out": torch.randn(3, 6, 5)}, "w_out must be \\[S, h, d\\]"),
+    (lambda n: {"w_in": torch.randn(4, 6)}, "w_in must be \\[S, d, h\\]"),
+    (lambda n: {"w_in": torch.randn(3, 4, 6, dtype=torch.float64)}, "w_in is torch.float64 but x is torch.float32"),
+    (lambda n: {"activation": "gelu2"}, "activation must be one of"),
 ])
-def test_bad_input_names_the_argument(overrides, match):
-    with pytest.raises(ValueError, match=match):
-        expert_mlp(**_bad(**overrides))
+@pytest.mark.parametrize("n", [5, 2])  # 2: writing's characters, the CPU's one decode op (its own checks first)
+def test_bad_input_names_the_argument(overrides, match, n):
+    if match is None:
+        assert expert_mlp(**_bad(n, **overrides(n))).shape == (n, 4)
+        return
+    with pytest.raises(ValueError, match=match) as caught:
+        expert_mlp(**_bad(n, **overrides(n)))
+    assert caught.value.__context__ is None  # expert_mlp's words alone, not the op's error beneath them
 
 
 def test_bad_options():

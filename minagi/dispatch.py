@@ -492,12 +492,14 @@ def _takes_decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, o
     if not (type(x) is torch.Tensor and type(slot_idx) is torch.Tensor and isinstance(gates, torch.Tensor)
             and isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor)):
         return False
-    if form.fn is not None or out_of_range != "error" or path not in ("auto", "compiled") or n_valid is not None:
+    if form.fn is not None or out_of_range != "error" or path not in ("auto", "compiled"):
         return False
     if capacity_factor != 0 or x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3:
         return False
     if not (0 < x.shape[0] <= DECODE_MAX_CHARS and 1 <= slot_idx.shape[1] <= w_in.shape[0]):
         return False
+    if n_valid is not None and not (type(n_valid) is int and 0 <= n_valid <= x.shape[0]):
+        return False  # without a cap or statistics, padding rows change nothing but their own output
     if not gates.is_floating_point() or not _ops.supports(x.device):
         return False
     wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out))

@@ -304,6 +304,10 @@ def test_decode_goes_through_one_op_where_it_can(monkeypatch):
             got = expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="compiled", **kw)
         assert_close(got, want, msg=what)
         assert fused.pop() == (what == "plain"), what
+    with torch.no_grad():  # the model's call: n_valid given (a padded last row changes only its own output)
+        got = expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="compiled", n_valid=2)
+    assert fused.pop() is True
+    assert_close(got, expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="rectangle", n_valid=2))
     skipped = torch.tensor([[0, 9], [1, 3], [2, 1]])
     with torch.no_grad():
         got = expert_mlp(x, skipped, gates, w_in, w_out, b_out=b_out, path="compiled", out_of_range_slots="skip")

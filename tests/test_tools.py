@@ -70,3 +70,26 @@ def test_windows_sampler_writes_the_same_columns():
     header = next(line for line in ps1.splitlines() if line.startswith("$fields = "))
     assert tuple(header.split('"')[1].split(",")) == SAMPLE_FIELDS
     assert "GPU Process Memory" in ps1 and "Dedicated Usage" in ps1 and "Shared Usage" in ps1
+
+
+def test_peak_flops_tool_measures_the_arithmetic_peak(tmp_path):
+    # tools/peak_flops.cpp: the bound docs/transformers.md judges the training targets by. Built
+    # and run where there is a C++ compiler and a CPU with AVX-512 BF16.
+    import shutil
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if shutil.which("g++") is None or " avx512_bf16" not in flags:
+        pytest.skip("needs g++ and a CPU with AVX-512 BF16")
+    exe = tmp_path / "peak_flops"
+    build = subprocess.run(["g++", "-O3", "-funroll-all-loops", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp",
+                            str(ROOT / "tools" / "peak_flops.cpp"), "-o", str(exe)], capture_output=True, text=True,
+                           timeout=120)
+    assert build.returncode == 0, build.stderr
+    r = subprocess.run([str(exe), "1", "3000000"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("1 thread(s): float32 FMA ") for line in lines)
+    f32, bf16 = (float(part.split()[-2]) for part in lines[-1].split(": ", 1)[1].split(", "))
+    assert 1 < f32 < bf16  # a vdpbf16ps does twice an FMA's multiply-adds
+    bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr

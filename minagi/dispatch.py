@@ -490,11 +490,14 @@ def _takes_decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, o
     op of the general path runs from a cold cache (_check_inputs took 50-80 us a call there, 10 on
     a warm one)."""
     if not (type(x) is torch.Tensor and type(slot_idx) is torch.Tensor and isinstance(gates, torch.Tensor)
-            and isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor)):
+            and isinstance(w_in, torch.Tensor) and isinstance(w_out, torch.Tensor)
+            and (b_in is None or isinstance(b_in, torch.Tensor)) and (b_out is None or isinstance(b_out, torch.Tensor))):
         return False
     if form.fn is not None or out_of_range != "error" or path not in ("auto", "compiled"):
         return False
-    if capacity_factor != 0 or x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3:
+    if not (type(capacity_factor) in (int, float) and capacity_factor == 0):
+        return False
+    if x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3:
         return False
     if not (0 < x.shape[0] <= DECODE_MAX_CHARS and 1 <= slot_idx.shape[1] <= w_in.shape[0]):
         return False
@@ -516,8 +519,11 @@ def _decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out):
                                                   *_form_args(form))
     except Exception as e:  # noqa: BLE001 (re-raised below unless the checks name it)
         refused = e
-    _check_inputs(x, slot_idx, gates, w_in, w_out, form, b_in, b_out, "error")
-    raise refused
+    try:
+        _check_inputs(x, slot_idx, gates, w_in, w_out, form, b_in, b_out, "error")
+        raise refused
+    finally:
+        del refused  # the frame holds the error, whose traceback holds the frame (and x and the weights)
 
 
 def _add_out_bias(y_ND, b_out_SD, slot_idx_NK, gates_NK, kept_NK):

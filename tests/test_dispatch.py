@@ -288,9 +288,11 @@ def test_decode_goes_through_one_op_where_it_can(monkeypatch):
     # gradient, the unfused decode. Both agree with the rectangle.
     if not minagi.ops.has_fused("decode_experts", torch.device("cpu")):
         pytest.skip("this build has no decode_experts kernel")
-    fused = []
-    real = minagi.dispatch._fuses_decode
+    fused, checked = [], []
+    real, real_check = minagi.dispatch._fuses_decode, minagi.dispatch._check_inputs
     monkeypatch.setattr(minagi.dispatch, "_fuses_decode", lambda *a: fused.append(real(*a)) or fused[-1])
+    # The op checks its own arguments: the one-op calls skip expert_mlp's Python checks.
+    monkeypatch.setattr(minagi.dispatch, "_check_inputs", lambda *a: checked.append(1) or real_check(*a))
     g = torch.Generator().manual_seed(4)
     slot_idx = torch.tensor([[0, 1], [1, 3], [2, 1]])
     x, gates = torch.randn(3, 8, generator=g, dtype=torch.float64), torch.rand(3, 2, generator=g, dtype=torch.float64)
@@ -304,9 +306,11 @@ def test_decode_goes_through_one_op_where_it_can(monkeypatch):
             got = expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="compiled", **kw)
         assert_close(got, want, msg=what)
         assert fused.pop() == (what == "plain"), what
+        assert len(checked) == (1 if what == "plain" else 2), what  # the rectangle's call, and the general path's
+        checked.clear()
     with torch.no_grad():  # the model's call: n_valid given (a padded last row changes only its own output)
         got = expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="compiled", n_valid=2)
-    assert fused.pop() is True
+    assert fused.pop() is True and not checked
     assert_close(got, expert_mlp(x, slot_idx, gates, w_in, w_out, b_out=b_out, path="rectangle", n_valid=2))
     skipped = torch.tensor([[0, 9], [1, 3], [2, 1]])
     with torch.no_grad():

@@ -129,7 +129,8 @@ MINAGI_BF16_TARGET inline void bf16_col(const uint16_t* a, int64_t lda, const ui
   }
 }
 
-// Output columns a pass of bf16_rows takes; their float32 sums (8 KiB a row) stay in L1. Each
+// Output columns a pass of bf16_rows takes; their float32 sums (8 KiB a row, 8-32 KiB for 1-4
+// rows) stay in the L1 and L2. Each
 // pass reads a 4 KiB run of every one of b's rows: with 512 columns (1 KiB runs, 8 KiB apart) the
 // slot came from memory at 0.54-0.75x torch.sum's speed, with 2,048 at 0.65-1.0x (4,096 was no
 // better, 1,024 worse for 3 and 4 rows; tools/few_rows_probe.py --slots 8).
@@ -185,7 +186,7 @@ MINAGI_BF16_TARGET inline void bf16_rows(const uint16_t* a, int64_t lda, const u
   alignas(64) float y[R][kRowChunk];
   for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
     const int64_t nc = std::min(kRowChunk, M - c0);
-    for (int r = 0; r < R; ++r) std::fill(y[r], y[r] + kRowChunk, 0.0f);
+    for (int r = 0; r < R; ++r) std::fill(y[r], y[r] + std::min<int64_t>(kRowChunk, (nc + 31) / 32 * 32), 0.0f);
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) bf16_rows_step<R, 4>(a, lda, b + c0, sk, k, false, y, nc);
     for (; k + 2 <= K; k += 2) bf16_rows_step<R, 1>(a, lda, b + c0, sk, k, false, y, nc);

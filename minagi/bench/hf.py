@@ -359,7 +359,7 @@ def bench_block(name, dtype, T, train, backends, rounds, slow_s, max_gb, device,
     for impl in live:  # warm-up; a slow backend's warm-up is its one round
         t = _timed(experts, impl, args, train, 1, decode)
         times[impl] = [t] if t > slow_s * 1e3 else []
-        if not train and not times[impl]:  # sized by a warm call: a first call's one-off costs would
+        if decode and not times[impl]:  # sized by a warm call: a first call's one-off costs would
             t = _timed(experts, impl, args, train, 1, decode)  # shrink the sample to a call or two
         calls[impl] = 1 if train else max(1, math.ceil(SAMPLE_MS / max(t, 1e-3)))
     for r in range(rounds):

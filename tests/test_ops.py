@@ -815,7 +815,7 @@ def test_portable_cpu_loops_where_avx512_is_switched_off():
     here = Path(__file__).parent
     tests = [f"{here / 'test_ops.py'}::{name}" for name in
              ("test_grouped_mm_slot_shapes", "test_few_rows_kernels", "test_weight_gradients_slot_shapes",
-              "test_decode_experts_matches_twin")]
+              "test_scatter_mm_backward_matches_twin_and_the_unfused_ops", "test_decode_experts_matches_twin")]
     tests += [f"{here / 'test_forms.py'}::{name}" for name in
               ("test_swiglu_kernels_across_the_float_range_and_at_the_clamps",
                "test_swiglu_kernels_at_infinities_as_the_twin")]

@@ -249,34 +249,48 @@ void own_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, 
 // optimizer, after the rest of the backward has passed through the cache.
 constexpr size_t kStreamBytes = size_t{16} << 20;
 
-// out = x^T y, the sum over their rows (x [nr, M], y [nr, N], out [M, N]: views with unit column
-// stride or any strides): a weight gradient's GEMM. bfloat16 takes bf16_dot_wgrad and float32
-// f32_gemm where they can, with `stream` writing past the cache (stream_rows in f32_gemm.h).
-void wgrad_mm(at::Tensor out, const at::Tensor& x, const at::Tensor& y, bool stream) {
+// A matrix by pointer: `rows` rows of `cols` values, rows `ld` values apart, unit column stride.
+// The per-slot loops pass these instead of narrowed tensors: a view is three dispatched ops (narrow,
+// slice, as_strided) and a TensorImpl, and the weight gradients of 128 slots took ~600 of them a
+// call.
+struct RawMat {
+  void* p;
+  int64_t rows, cols, ld;
+  template <typename T>
+  T* at(int64_t r, int64_t c = 0) const {
+    return static_cast<T*>(p) + r * ld + c;
+  }
+  at::Tensor tensor(const at::TensorOptions& opts) const { return at::from_blob(p, {rows, cols}, {ld, 1}, opts); }
+};
+
+// out = x^T y, the sum over their rows (x [nr, M], y [nr, N], out [M, N]): a weight gradient's
+// GEMM. bfloat16 takes bf16_dot_wgrad and float32 f32_gemm where they can, with `stream` writing
+// past the cache (stream_rows in f32_gemm.h); else ATen's mm.
+void wgrad_mm(at::ScalarType dtype, const RawMat& out, const RawMat& x, const RawMat& y, bool stream) {
+  const int64_t nr = x.rows, M = x.cols, N = y.cols;
 #ifdef MINAGI_BF16_DOT
-  if (out.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
-      x.stride(1) == 1 && y.stride(1) == 1 && out.stride(1) == 1 && x.size(0) <= kBf16DotMaxInner &&
-      bf16_dot_wgrad_scratch(x.size(0), y.size(1)) * 2 <= kBf16DotMaxScratch && bf16_dot_available()) {
-    const int64_t nr = x.size(0), M = x.size(1), N = y.size(1);
+  if (dtype == at::kBFloat16 && nr <= kBf16DotMaxInner && bf16_dot_wgrad_scratch(nr, N) * 2 <= kBf16DotMaxScratch &&
+      bf16_dot_available()) {
     std::vector<uint16_t> own;
     uint16_t* scratch = thread_scratch<uint16_t, Scratch::kPack>(bf16_dot_wgrad_scratch(nr, N), own);
-    bf16_dot_wgrad(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint16_t*>(y.data_ptr()),
-                   y.stride(0), static_cast<uint16_t*>(out.data_ptr()), out.stride(0), nr, M, N, scratch, stream);
+    bf16_dot_wgrad(x.at<const uint16_t>(0), x.ld, y.at<const uint16_t>(0), y.ld, out.at<uint16_t>(0), out.ld, nr, M, N,
+                   scratch, stream);
     return;
   }
 #endif
 #ifdef MINAGI_AVX512
-  if (out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-      y.stride(1) == 1 && out.stride(1) == 1 && x.size(0) <= kF32MaxInner && avx512_available()) {
+  if (dtype == at::kFloat && nr <= kF32MaxInner && avx512_available()) {
     std::vector<float> own;
-    float* scratch = thread_scratch<float, Scratch::kPack>(x.size(0) * f32_fma::kCols, own);
-    // x^T's row m is x's column m: values x.stride(0) apart
-    f32_gemm(x.data_ptr<float>(), x.stride(1), x.stride(0), y.data_ptr<float>(), y.stride(0), 1,
-             out.data_ptr<float>(), out.stride(0), x.size(1), x.size(0), y.size(1), scratch, stream);
+    float* scratch = thread_scratch<float, Scratch::kPack>(nr * f32_fma::kCols, own);
+    // x^T's row m is x's column m: values x.ld apart
+    f32_gemm(x.at<const float>(0), 1, x.ld, y.at<const float>(0), y.ld, 1, out.at<float>(0), out.ld, M, nr, N, scratch,
+             stream);
     return;
   }
 #endif
-  at::cpu::mm_out(out, x.t(), y);
+  const auto opts = at::TensorOptions().dtype(dtype);
+  at::Tensor o = out.tensor(opts);
+  at::cpu::mm_out(o, x.tensor(opts).t(), y.tensor(opts));
 }
 
 // out[nr, M] (rows M apart) = a[nr, K] (rows K apart) times slot `slot` of b ([S, K, M], any
@@ -616,14 +630,17 @@ void swiglu_grad_row(bool interleaved, const scalar_t* grad, const scalar_t* h, 
 // Rows of h (unit column stride) through the rows above, shared out over the threads outside a
 // part (inline inside one, like the clamped form's rows).
 template <typename scalar_t>
-void swiglu_rows(bool interleaved, const at::Tensor& h, at::Tensor& out) {
-  const int64_t W = out.size(1);
-  at::parallel_for(0, h.size(0), std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      swiglu_row<scalar_t>(interleaved, h.data_ptr<scalar_t>() + r * h.stride(0),
-                           out.data_ptr<scalar_t>() + r * out.stride(0), W);
-    }
+void swiglu_rows(bool interleaved, const scalar_t* h, int64_t ldh, scalar_t* out, int64_t ldo, int64_t rows,
+                 int64_t W) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kActGrain / std::max<int64_t>(W, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) swiglu_row<scalar_t>(interleaved, h + r * ldh, out + r * ldo, W);
   });
+}
+
+template <typename scalar_t>
+void swiglu_rows(bool interleaved, const at::Tensor& h, at::Tensor& out) {
+  swiglu_rows<scalar_t>(interleaved, h.data_ptr<scalar_t>(), h.stride(0), out.data_ptr<scalar_t>(), out.stride(0),
+                        h.size(0), out.size(1));
 }
 
 template <typename scalar_t>
@@ -714,8 +731,13 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cpu(const at::Tensor& a_in, co
   at::Tensor h = empty_output({a.size(0), M}, a.options());
   at::Tensor out = empty_output({a.size(0), act_gated(act) ? M / 2 : M}, a.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const bool own_swiglu = (act == Act::Swiglu || act == Act::SwigluInterleaved) && swiglu_own_takes({&h, &out});
   grouped_mm_into(a, b, bias, slot_ids, start, h, [&](int64_t r0, int64_t nr) {
-    act_forward(act, h.narrow(0, r0, nr), out.narrow(0, r0, nr), alpha, limit);
+    if (!own_swiglu) return act_forward(act, h.narrow(0, r0, nr), out.narrow(0, r0, nr), alpha, limit);
+    MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_swiglu_rows", [&] {  // by pointer: no views a part
+      swiglu_rows<scalar_t>(act == Act::SwigluInterleaved, h.data_ptr<scalar_t>() + r0 * M, M,
+                            out.data_ptr<scalar_t>() + r0 * (M / 2), M / 2, nr, M / 2);
+    });
   });
   return {h, out};
 }
@@ -823,15 +845,20 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
   for (int64_t s = 0; s < n_slots; ++s) {
     if (!owned[s]) parts.push_back({s, 0, 0, 0, 1});
   }
+  char* op_ = static_cast<char*>(out.data_ptr());
+  char* ap = static_cast<char*>(a.data_ptr());
+  char* gp = static_cast<char*>(grad.data_ptr());
+  const int64_t elem = a.element_size();
   run_parts(parts, [&](const Part& p) {
     const auto [lo, hi] = part_range(M, p.part, p.parts, 16);
     if (hi <= lo) return;
-    at::Tensor o = out.select(0, p.slot).narrow(1, lo, hi - lo);
+    const RawMat o{op_ + (p.slot * K * M + lo) * elem, K, hi - lo, M};
     if (p.nr == 0) {
-      o.zero_();
+      for (int64_t r = 0; r < K; ++r) std::memset(o.at<char>(0) + r * M * elem, 0, (hi - lo) * elem);
       return;
     }
-    wgrad_mm(o, a.narrow(0, p.r0, p.nr), grad.narrow(0, p.r0, p.nr).narrow(1, lo, hi - lo), stream);
+    wgrad_mm(a.scalar_type(), o, {ap + p.r0 * K * elem, p.nr, K, K}, {gp + (p.r0 * M + lo) * elem, p.nr, hi - lo, M},
+             stream);
   });
   return out;
 }
@@ -915,24 +942,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
     const int64_t* rp = row_pair.data_ptr<int64_t>();
     scalar_t* ga = grad_a.data_ptr<scalar_t>();
     scalar_t* gg = grad_g.data_ptr<scalar_t>();
+    scalar_t* gb = b_grad ? grad_b.data_ptr<scalar_t>() : nullptr;
     run_parts(parts, [&](const Part& p) {
       if (p.nr == 0) {
-        if (b_grad) grad_b.select(0, p.slot).zero_();
+        if (b_grad) std::fill(gb + p.slot * I * D, gb + (p.slot + 1) * I * D, scalar_t(0));
         return;
       }
       std::vector<scalar_t> own;
       scalar_t* tile = thread_scratch<scalar_t>(p.nr * D, own);
       gather_pair_rows(tile, gy, rp + p.r0, p.nr, k, D);  // each row's character's grad_y
-      const at::Tensor tile_t = at::from_blob(tile, {p.nr, D}, a.options());
       slot_mm<scalar_t>(tile, b_t, p.slot, ga + p.r0 * I, p.nr);  // grad_y b^T: [nr, I]
       gate_rows<scalar_t>(ga + p.r0 * I, ap + p.r0 * I, b_grad ? tile : nullptr, rp + p.r0, gp, gg, p.nr, I, D);
       if (b_grad == 0) return;
-      at::Tensor o = grad_b.select(0, p.slot);
-      const at::Tensor a_rows = a.narrow(0, p.r0, p.nr);
+      const RawMat a_rows{const_cast<scalar_t*>(ap) + p.r0 * I, p.nr, I, I}, tile_m{tile, p.nr, D, D};
       if (b_grad == 1) {
-        wgrad_mm(o, a_rows, tile_t, stream);  // [I, nr] x [nr, D]
+        wgrad_mm(a.scalar_type(), {gb + p.slot * I * D, I, D, D}, a_rows, tile_m, stream);  // [I, nr] x [nr, D]
       } else {
-        wgrad_mm(o, tile_t, a_rows, stream);  // [D, nr] x [nr, I]
+        wgrad_mm(a.scalar_type(), {gb + p.slot * I * D, D, I, I}, tile_m, a_rows, stream);  // [D, nr] x [nr, I]
       }
     });
   });

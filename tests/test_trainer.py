@@ -178,6 +178,7 @@ def test_pool_lr_scale_sets_the_pools_step_and_follows_the_schedule():
     lrs = {g["pool"]: g["lr"] for g in opt.param_groups}
     assert all((id(p) in pool_ids) == g["pool"] for g in opt.param_groups for p in g["params"])
     assert lrs[True] == pytest.approx(2.5 * lrs[False])
+    opt.step()  # no gradients: nothing moves, but the scheduler's step comes after one, as in training
     sched.step()  # warmup: both move by the same factor, the ratio stays
     lrs = {g["pool"]: g["lr"] for g in opt.param_groups}
     assert lrs[False] == pytest.approx(cfg.train.lr * 2 / 4) and lrs[True] == pytest.approx(2.5 * lrs[False])

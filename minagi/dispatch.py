@@ -497,16 +497,14 @@ def _takes_decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, o
         return False
     if not (type(capacity_factor) in (int, float) and capacity_factor == 0):
         return False
-    if x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3:
-        return False
-    if not (0 < x.shape[0] <= DECODE_MAX_CHARS and 1 <= slot_idx.shape[1] <= w_in.shape[0]):
+    if x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3 or not 1 <= slot_idx.shape[1] <= w_in.shape[0]:
         return False
     if n_valid is not None and not (type(n_valid) is int and 0 <= n_valid <= x.shape[0]):
         return False  # without a cap or statistics, padding rows change nothing but their own output
     if not gates.is_floating_point() or not _ops.supports(x.device):
         return False
     wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out))
-    return not wants_grad and _fuses_decode(_ops.compiled(), x, form, None, None, wants_grad)
+    return _use_decode(x.shape[0], 0, wants_grad) and _fuses_decode(_ops.compiled(), x, form, None, None, wants_grad)
 
 
 def _decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out):

@@ -73,7 +73,7 @@ def test_windows_sampler_writes_the_same_columns():
 
 
 def test_peak_flops_tool_measures_the_arithmetic_peak(tmp_path):
-    # tools/peak_flops.cpp: the bound docs/transformers.md judges the training targets by. Built
+    # tools/peak_flops.cpp: the arithmetic bound docs/transformers.md holds the training rows to. Built
     # and run where there is a C++ compiler and a CPU with AVX-512 BF16.
     import shutil
 

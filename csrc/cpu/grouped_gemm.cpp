@@ -257,8 +257,8 @@ struct RawMat {
   void* p;
   int64_t rows, cols, ld;
   template <typename T>
-  T* at(int64_t r, int64_t c = 0) const {
-    return static_cast<T*>(p) + r * ld + c;
+  T* data() const {
+    return static_cast<T*>(p);
   }
   at::Tensor tensor(const at::TensorOptions& opts) const { return at::from_blob(p, {rows, cols}, {ld, 1}, opts); }
 };
@@ -273,7 +273,7 @@ void wgrad_mm(at::ScalarType dtype, const RawMat& out, const RawMat& x, const Ra
       bf16_dot_available()) {
     std::vector<uint16_t> own;
     uint16_t* scratch = thread_scratch<uint16_t, Scratch::kPack>(bf16_dot_wgrad_scratch(nr, N), own);
-    bf16_dot_wgrad(x.at<const uint16_t>(0), x.ld, y.at<const uint16_t>(0), y.ld, out.at<uint16_t>(0), out.ld, nr, M, N,
+    bf16_dot_wgrad(x.data<const uint16_t>(), x.ld, y.data<const uint16_t>(), y.ld, out.data<uint16_t>(), out.ld, nr, M, N,
                    scratch, stream);
     return;
   }
@@ -283,7 +283,7 @@ void wgrad_mm(at::ScalarType dtype, const RawMat& out, const RawMat& x, const Ra
     std::vector<float> own;
     float* scratch = thread_scratch<float, Scratch::kPack>(nr * f32_fma::kCols, own);
     // x^T's row m is x's column m: values x.ld apart
-    f32_gemm(x.at<const float>(0), 1, x.ld, y.at<const float>(0), y.ld, 1, out.at<float>(0), out.ld, M, nr, N, scratch,
+    f32_gemm(x.data<const float>(), 1, x.ld, y.data<const float>(), y.ld, 1, out.data<float>(), out.ld, M, nr, N, scratch,
              stream);
     return;
   }
@@ -854,7 +854,7 @@ at::Tensor grouped_mm_wgrad_cpu(const at::Tensor& a_in, const at::Tensor& grad_i
     if (hi <= lo) return;
     const RawMat o{op_ + (p.slot * K * M + lo) * elem, K, hi - lo, M};
     if (p.nr == 0) {
-      for (int64_t r = 0; r < K; ++r) std::memset(o.at<char>(0) + r * M * elem, 0, (hi - lo) * elem);
+      for (int64_t r = 0; r < K; ++r) std::memset(o.data<char>() + r * M * elem, 0, (hi - lo) * elem);
       return;
     }
     wgrad_mm(a.scalar_type(), o, {ap + p.r0 * K * elem, p.nr, K, K}, {gp + (p.r0 * M + lo) * elem, p.nr, hi - lo, M},

@@ -1,5 +1,5 @@
 """The memory samplers: tools/mem_sampler.py from outside a process, MemSampler inside one, and
-the Windows sampler's CSV columns."""
+the Windows sampler's CSV columns; the tools behind docs/transformers.md's kernel figures."""
 import csv
 import subprocess
 import sys
@@ -95,3 +95,23 @@ def test_peak_flops_tool_measures_the_arithmetic_peak(tmp_path):
     assert f32 > 1 and bf16 > 1  # GFLOP/s (one core of anything with AVX-512 runs tens)
     bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_slot_gemm_probe_times_grouped_mm_and_names_bad_arguments():
+    # tools/slot_gemm_probe.py: the per-slot GEMM figures of docs/transformers.md. Without the
+    # extension (the fallback run) it says it has nothing to time.
+    import re
+
+    import minagi
+
+    tool = [sys.executable, str(ROOT / "tools" / "slot_gemm_probe.py")]
+    r = subprocess.run(tool + ["--rows", "64", "--km", "16,40", "--calls", "2", "--threads", "1", "--layout", "t",
+                               "--weights", "3"], capture_output=True, text=True, timeout=120)
+    if not minagi.extension_loaded():
+        assert r.returncode == 2 and "compiled grouped_mm" in r.stderr, r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert re.fullmatch(r"rows 64 layout t bfloat16 K 16 M 40 weights 3 threads 1: [\d.]+ ms, \d+ GFLOP/s\n",
+                            r.stdout), r.stdout
+    bad = subprocess.run(tool + ["--km", "5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--km takes two integers" in bad.stderr

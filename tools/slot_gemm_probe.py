@@ -1,5 +1,5 @@
 """How fast is grouped_mm at a given number of rows a slot? GFLOP/s of minagi's grouped_mm over
-4,096 rows cut into slots of --rows rows each, the weights [slots, K, M] as stored (--layout r, row
+4,096 // --rows slots of --rows rows each, the weights [slots, K, M] as stored (--layout r, row
 after row: how GPT-OSS-like experts come in, and every backward's input gradient) or as the .mT
 view of [slots, M, K] (--layout t: the nn.Linear-style forward), from memory (each slot its own
 weights) or cycling over --weights slots' worth (which then stay in cache), with the median of
@@ -15,7 +15,6 @@ two builds, run each in its own process, alternating (copy each build's _C*.so i
 Nothing else may run beside it.
 """
 import argparse
-import time
 
 
 def main(argv=None) -> int:
@@ -34,18 +33,23 @@ def main(argv=None) -> int:
         p.error(f"--km takes two integers, K,M (got {a.km!r})")
     if not 1 <= a.rows <= 4096 or K < 1 or M < 1 or a.threads < 1 or a.weights < 0 or a.calls < 1:
         p.error("--rows must be in [1, 4096]; K, M, --threads and --calls >= 1; --weights >= 0")
+    S = 4096 // a.rows
+    if a.weights > S:
+        p.error(f"--weights {a.weights} is more than the {S} slots of {a.rows} rows: give at most {S} (or 0)")
 
     import torch
+
+    from bf16_gemm_probe import median_ms  # tools/ is sys.path[0] when run as a script
 
     from minagi import ops
 
     try:
         grouped_mm = ops.compiled().grouped_mm
     except RuntimeError as e:
-        p.error(f"this probe times minagi's compiled grouped_mm: {e}")
+        p.error(f"this probe times minagi's compiled grouped_mm: {e} (build it: pip install "
+                "--no-build-isolation -e . from the project root)")
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    S = 4096 // a.rows
     W = a.weights or S
     a_EK = torch.randn(S * a.rows, K, dtype=dtype)
     ids = torch.arange(S) % W
@@ -55,14 +59,9 @@ def main(argv=None) -> int:
     def call():
         grouped_mm(a_EK, b, ids, rows)
 
-    for _ in range(3):
+    for _ in range(2):  # and median_ms's own: the allocator settles on the output's size
         call()
-    ts = []
-    for _ in range(a.calls):
-        t = time.perf_counter()
-        call()
-        ts.append(time.perf_counter() - t)
-    ms = sorted(ts)[len(ts) // 2] * 1e3
+    ms = median_ms(call, a.calls)
     gflops = 2 * S * a.rows * K * M / ms / 1e6
     print(f"rows {a.rows} layout {a.layout} {a.dtype} K {K} M {M} weights {W} threads {a.threads}: "
           f"{ms:.2f} ms, {gflops:.0f} GFLOP/s")

@@ -19,7 +19,7 @@ import argparse
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=64, help="rows a slot (4,096 rows in all)")
+    p.add_argument("--rows", type=int, default=64, help="rows a slot (4,096 // rows slots of them)")
     p.add_argument("--layout", default="r", choices=("r", "t"), help="r: [S, K, M] as stored; t: .mT of [S, M, K]")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--km", default="512,1024", help="K,M: the inner size and the output width")

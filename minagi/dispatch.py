@@ -499,6 +499,8 @@ def _takes_decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, o
         return False
     if x.dim() != 2 or slot_idx.dim() != 2 or w_in.dim() != 3 or not 1 <= slot_idx.shape[1] <= w_in.shape[0]:
         return False
+    if not _use_decode(x.shape[0], 0, False):  # a training call leaves here, before the device and grad checks
+        return False
     if n_valid is not None and not (type(n_valid) is int and 0 <= n_valid <= x.shape[0]):
         return False  # without a cap or statistics, padding rows change nothing but their own output
     if not gates.is_floating_point() or not _ops.supports(x.device):

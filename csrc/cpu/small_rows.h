@@ -135,6 +135,7 @@ MINAGI_BF16_TARGET inline void bf16_col(const uint16_t* a, int64_t lda, const ui
 // slot came from memory at 0.54-0.75x torch.sum's speed, with 2,048 at 0.65-1.0x (4,096 was no
 // better, 1,024 worse for 3 and 4 rows; tools/few_rows_probe.py --slots 8).
 constexpr int64_t kRowChunk = 2048;
+static_assert(kRowChunk % 32 == 0, "bf16_rows zeroes whole 32-column blocks of its sums");
 
 // P pairs of b's rows (k, k + 1), ..., (k + 2P - 2, k + 2P - 1) times the R rows' matching values,
 // added into y[r][0, nc): the pairs are interleaved in registers (as bf16_dot's pack_block does in
@@ -186,7 +187,7 @@ MINAGI_BF16_TARGET inline void bf16_rows(const uint16_t* a, int64_t lda, const u
   alignas(64) float y[R][kRowChunk];
   for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
     const int64_t nc = std::min(kRowChunk, M - c0);
-    for (int r = 0; r < R; ++r) std::fill(y[r], y[r] + std::min<int64_t>(kRowChunk, (nc + 31) / 32 * 32), 0.0f);
+    for (int r = 0; r < R; ++r) std::fill(y[r], y[r] + (nc + 31) / 32 * 32, 0.0f);  // nc <= kRowChunk, a multiple of 32
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) bf16_rows_step<R, 4>(a, lda, b + c0, sk, k, false, y, nc);
     for (; k + 2 <= K; k += 2) bf16_rows_step<R, 1>(a, lda, b + c0, sk, k, false, y, nc);

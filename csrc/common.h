@@ -2,6 +2,8 @@
 // and says what was expected, so a user sees the fix rather than a stack trace.
 #pragma once
 
+#include <atomic>
+
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -116,6 +118,27 @@ inline void check_routing_backward_args(const at::Tensor& grad_gates, const at::
   check_same_device(gates, slot_idx, op, "gates", "slot_idx");
   TORCH_CHECK(n_slots >= 1, "minagi.routing_backward: n_slots must be >= 1, got ", n_slots);
   debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
+}
+
+// The fused CPU kernels' tile sizes in bytes (csrc/cpu/grouped_gemm.cpp), by index.
+enum TileKind : int { kGatherTile = 0, kFusedTile = 1, kTiles = 2 };
+extern std::atomic<int64_t> g_tile_bytes[kTiles];
+
+// The fix named where a slot id is out of range (the plan, the decode op): ids of experts held
+// on another rank are what expert parallelism passes.
+constexpr const char* kSkipHint =
+    " (ids of experts held elsewhere, as expert parallelism passes them: out_of_range_slots='skip' drops "
+    "those pairs)";
+
+// Every id of slot_idx [N, k] (CPU, contiguous) in [0, n_slots), in expert_mlp's words: the ops
+// find a bad id, expert_mlp reads no values.
+inline void check_slot_ids_cpu(const at::Tensor& idx, int64_t n_slots) {
+  const int64_t* p = idx.data_ptr<int64_t>();
+  const int64_t k = idx.size(1), R = idx.numel();
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK_VALUE(p[i] >= 0 && p[i] < n_slots, "expert_mlp: slot_idx holds ", p[i], ", outside [0, S = ",
+                      n_slots, ") at token ", i / k, ", position ", i % k, kSkipHint);
+  }
 }
 
 inline void check_group_plan_args(const at::Tensor& slot_idx, int64_t n_slots, int64_t capacity,

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -23,11 +24,22 @@ PyObject* PyInit__C(void) {
 
 namespace minagi {
 std::vector<int64_t> cpu_block_cache(int64_t max_idle_bytes);  // csrc/cpu/block_cache.cpp
+extern std::atomic<int64_t> g_tile_bytes[2];                     // csrc/cpu/grouped_gemm.cpp
 }  // namespace minagi
 
 namespace {
 // How this extension was built, for `python -m minagi doctor`: a build without OpenMP would run
 // every at::parallel_for on one thread without saying so.
+// A fused CPU kernel's tile size in bytes: "gather" (gather_mm_act) or "fused" (scatter_mm_backward).
+// value >= 0 sets it; the value before is returned.
+int64_t tile_bytes(c10::string_view name, int64_t value) {
+  const int i = name == "gather" ? 0 : name == "fused" ? 1 : -1;
+  TORCH_CHECK_VALUE(i >= 0, "minagi.tile_bytes: name must be 'gather' or 'fused', got '", std::string(name), "'");
+  const int64_t before = minagi::g_tile_bytes[i].load();
+  if (value >= 0) minagi::g_tile_bytes[i].store(value);
+  return before;
+}
+
 std::string build_info() {
   std::string info;
 #ifdef _OPENMP
@@ -55,6 +67,10 @@ TORCH_LIBRARY(minagi, m) {
   // MINAGI_ALLOCATOR=keep. max_idle_bytes >= 0 installs it as torch's CPU allocator (once) and caps
   // its idle bytes; -1 only reports. -> [installed, idle bytes, blocks reused, blocks mapped].
   m.def("cpu_block_cache(int max_idle_bytes) -> int[]", &minagi::cpu_block_cache);
+  // Not a computation: a fused CPU kernel's tile size ("gather": gather_mm_act, "fused":
+  // scatter_mm_backward); value >= 0 sets it. Returns the size before. Past its tile a kernel takes
+  // its unfused path (the same results), so these are speed knobs, and tests force both paths.
+  m.def("tile_bytes(str name, int value=-1) -> int", &tile_bytes);
   // logits [N, S] -> slot_idx [N, k] int64 (best first, ties to the lower slot, NaN ranks as
   // -inf), gates [N, k] = softmax over the k chosen logits, load [S] int64 (pairs per slot).
   m.def("routing(Tensor logits, int top_k) -> (Tensor slot_idx, Tensor gates, Tensor load)");
@@ -62,14 +78,18 @@ TORCH_LIBRARY(minagi, m) {
   m.def("routing_backward(Tensor grad_gates, Tensor gates, Tensor slot_idx, int n_slots) -> Tensor");
   // The dispatch plan of slot_idx [N, k] over n_slots, each slot capped at `capacity` pairs
   // (0 = uncapped; kept pairs are the first in character order, then k order):
-  //   load [S]: kept pairs per slot; slot_order [A]: slots with load > 0 sorted by load, then slot;
-  //   slot_rows [A]: buffer rows of each (bucket(load) when bucketed, else load; runs of equal
-  //   values are the groups); row_pair [E]: flat pair n * k + j of every buffer row (-1 =
-  //   padding); dest [N, k]: buffer row of every pair (-1 = dropped).
+  //   load [S]: kept pairs per slot;
+  //   bucketed: slot_order [A]: slots with load > 0 sorted by load, then slot; slot_rows [A]:
+  //     bucket(load) of each (runs of equal values are the groups); row_pair [E = sum(slot_rows)];
+  //   exact (not bucketed): slot_order [S]: every slot in id order; slot_rows [S]: load;
+  //     row_pair [N * k], the rows past sum(load) padding: every size from the input's shape;
+  //   row_pair: flat pair n * k + j of every buffer row (-1 = padding); dest [N, k]: buffer row
+  //   of every pair (-1 = dropped).
+  // The ops that take slot_ids / slot_rows give zero rows past the listed ranges.
   // skip_invalid: ids outside [0, n_slots) are dropped pairs (dest -1), not an error (the
-  // sentinels of experts that live on another rank).
+  // sentinels of experts that live on another rank); without it such an id is a ValueError.
   // For GPU inputs slot_rows comes back on the CPU: the grouped GEMM sizes its batched matmuls
-  // from it, and that one device-to-host copy is the plan's only synchronisation.
+  // from it (one device-to-host copy).
   m.def(
       "group_plan(Tensor slot_idx, int n_slots, int capacity, bool bucketed, bool skip_invalid=False) -> "
       "(Tensor load, Tensor slot_order, Tensor slot_rows, Tensor row_pair, Tensor dest)");
@@ -108,6 +128,12 @@ TORCH_LIBRARY(minagi, m) {
   m.def(
       "scatter_mm_backward(Tensor grad_y, Tensor a, Tensor b, Tensor gates, Tensor slot_ids, Tensor slot_rows, "
       "Tensor row_pair, Tensor dest, int b_grad) -> (Tensor grad_a, Tensor grad_b, Tensor grad_gates)");
+  // weighted_scatter(grouped_mm(a, b, slot_ids, slot_rows), dest, row_pair, gates): an expert's
+  // second layer and the gated combine as one op, whose backward is scatter_mm_backward (the [E, D]
+  // outputs are not kept for it). A CPU kernel only (_backend.FUSED_OP_NAMES).
+  m.def(
+      "grouped_mm_scatter(Tensor a, Tensor b, Tensor gates, Tensor slot_ids, Tensor slot_rows, Tensor row_pair, "
+      "Tensor dest) -> Tensor");
   // grouped_mm_act(bucketed_gather(x, row_pair, dest), b, bias, ...)'s activation, [E, M] or
   // [E, M / 2], without the gathered rows or h ever written out: for inference, where the backward
   // needs neither. A CPU kernel only (_backend.FUSED_OP_NAMES).

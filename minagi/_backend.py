@@ -28,7 +28,7 @@ OP_NAMES = (
 )
 # Fused ops with CPU kernels only: used where they have a kernel for the device, the ops above
 # elsewhere (where they compute the same); a build without them loses nothing but speed.
-FUSED_OP_NAMES = ("scatter_mm_backward", "gather_mm_act", "decode_experts")
+FUSED_OP_NAMES = ("scatter_mm_backward", "grouped_mm_scatter", "gather_mm_act", "decode_experts")
 
 
 class ExtensionFallbackWarning(UserWarning):

@@ -14,15 +14,15 @@ Paths:
              kept as the reference (S x max_load rows for N x K routed pairs).
   grouped    the seed's grouped dispatch in pure torch: slots grouped by _bucket(load), one pair
              of bmms per group at the group's capacity, weights gathered once per call.
-  compiled   the same plan and ops from the extension (minagi._C). On the CPU each slot's exact
-             row range is multiplied (no padding); on a GPU the bucketed plan is used.
+  compiled   the same pipeline of ops from the extension (minagi._C). On the CPU an exact plan:
+             each slot's row range multiplied (no padding), every size from the input's shapes
+             (docs/dispatch.md, "How a call runs"); on a GPU the bucketed plan.
   auto       compiled when the extension has kernels for the input's device, else grouped.
 
-A handful of characters (writing: one per stream) skips the plan on the grouped and compiled
-paths: on the CPU the pairs are sorted into one range per routed slot, on a GPU each (character,
-k) pair is a one-row range of its slot; so only the top_k slots' weights are read (on the CPU
-once each), and nothing synchronises. On the CPU's compiled path, where no gradient is wanted and
-there is no callable activation, post or skip, the whole call is one op (decode_experts).
+A handful of characters (writing: one per stream) skips the plan: on the CPU's compiled path,
+where no gradient is wanted and there is no callable activation, post or skip, the whole call is
+one op (decode_experts); on a GPU and on the twins each (character, k) pair is a one-row range of
+its slot. Under torch.compile with a symbolic N the general pipeline serves every N.
 
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from . import ops as _ops
 from . import reference
 from .reference import ACTIVATIONS, GATED
 from .reference import bucket as _bucket  # noqa: F401  (the seed's name for it)
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 PATHS = ("auto", "rectangle", "grouped", "compiled")
 OUT_OF_RANGE = ("error", "skip")
@@ -77,17 +78,56 @@ class Form:
         return a
 
 
-@dataclass
+class _Read:
+    """A statistic held as given (a tensor, or a callable that makes a value) and read when first
+    asked for: one copy from the device then, none on the call's path."""
+
+    def __set_name__(self, owner, name):
+        self.key = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.key]
+        if callable(value):
+            value = value()
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        obj.__dict__[self.key] = value
+        return value
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.key] = value
+
+
 class DispatchStats:
-    routed_pairs: int  # N * K, the real characters' (padding rows count nowhere)
-    dropped_pairs: int  # pairs past a slot's capacity
-    executed_rows: int  # rows multiplied, padding included
-    groups: int  # batched-matmul groups (1 for the rectangle)
-    max_load_ratio: float  # busiest slot's routed load / fair share N * K / S
-    top_k: int = 1
-    capacity: int = 0  # pairs a slot may keep (0 = uncapped)
-    slot_load: list = field(default_factory=list)  # routed pairs per slot (before the cap)
-    chars: int = -1  # characters of the call (-1: routed_pairs / top_k, as when no pair is skipped)
+    """The statistics of a call. Each field may be given as a tensor (on the call's device) or a
+    callable; it is read (one copy) when first asked for, so a call that returns statistics
+    synchronises nothing."""
+    routed_pairs = _Read()  # N * K, the real characters' (padding rows count nowhere)
+    dropped_pairs = _Read()  # pairs past a slot's capacity
+    executed_rows = _Read()  # rows multiplied, padding included
+    groups = _Read()  # batched-matmul groups (1 for the rectangle)
+    max_load_ratio = _Read()  # busiest slot's routed load / fair share N * K / S
+    slot_load = _Read()  # routed pairs per slot (before the cap)
+
+    def __init__(self, routed_pairs, dropped_pairs, executed_rows, groups, max_load_ratio, top_k: int = 1,
+                 capacity: int = 0, slot_load=(), chars: int = -1):
+        self.routed_pairs, self.dropped_pairs, self.executed_rows = routed_pairs, dropped_pairs, executed_rows
+        self.groups, self.max_load_ratio = groups, max_load_ratio
+        self.top_k = top_k
+        self.capacity = capacity  # pairs a slot may keep (0 = uncapped)
+        self.slot_load = slot_load if isinstance(slot_load, torch.Tensor) else list(slot_load)
+        self.chars = chars  # characters of the call (-1: routed_pairs / top_k, as when no pair is skipped)
+
+    FIELDS = ("routed_pairs", "dropped_pairs", "executed_rows", "groups", "max_load_ratio", "top_k", "capacity",
+              "slot_load", "chars")
+
+    def __repr__(self) -> str:
+        return "DispatchStats(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self.FIELDS) + ")"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DispatchStats) and all(getattr(self, f) == getattr(other, f) for f in self.FIELDS)
 
     @property
     def executed_ratio(self) -> float:
@@ -126,13 +166,14 @@ class DispatchStats:
         return len(self.slot_load) * (min(top, self.capacity) if self.capacity else top)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "executed_ratio": self.executed_ratio}
+        return {**{f: getattr(self, f) for f in self.FIELDS}, "executed_ratio": self.executed_ratio}
 
 
 def capacity(capacity_factor: float, n_chars: int, top_k: int, n_slots: int) -> int:
     """Pairs a slot may keep: ceil(c * N * K / S); 0 means uncapped."""
-    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
-            and capacity_factor >= 0):
+    # Plain comparisons (not math.isfinite): torch.compile traces them on a symbolic float.
+    if not (isinstance(capacity_factor, (int, float)) and capacity_factor == capacity_factor
+            and 0 <= capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a finite number >= 0 (0 = uncapped), got {capacity_factor!r}")
     if capacity_factor == 0 or n_chars == 0:
         return 0
@@ -192,12 +233,8 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_
                     ("b_out", b_out)):
         if t is not None and t.device != x.device:
             fail(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
-    # On a GPU this check would synchronise; there the kernels and index ops assert on the device.
-    if out_of_range == "error" and slot_idx.numel() and slot_idx.device.type == "cpu":
-        lo, hi = int(slot_idx.min()), int(slot_idx.max())
-        if lo < 0 or hi >= S:
-            fail(f"slot_idx holds {lo if lo < 0 else hi}, outside [0, S = {S}) (ids of experts held elsewhere, "
-                 "as expert parallelism passes them: out_of_range_slots='skip' drops those pairs)")
+    # The ids' values are checked by the ops that read them (the plan, the decode op; a device
+    # assert on GPUs): a check here would read them on the host.
 
 
 def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form, b_in_SH, valid_NK, post):
@@ -206,6 +243,8 @@ def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form
     to each pair's output, or None."""
     N, K = slot_idx_NK.shape
     S, D = w_in_SDH.shape[0], x_ND.shape[1]
+    if valid_NK is None:
+        reference.check_slot_ids(slot_idx_NK, S)
     flat_R = slot_idx_NK.reshape(-1)
     if valid_NK is not None:  # out-of-range ids in a bin of their own past the end, never kept
         flat_R = torch.where(valid_NK.reshape(-1), flat_R, S)
@@ -224,7 +263,7 @@ def _rectangle(x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, form: Form
         out_SLD = _post(out_SLD, post, lambda b_SD: b_SD.unsqueeze(1))
     picked_RD = out_SLD[slot_k, rank_k] * gates_NK.reshape(-1)[kept_R].unsqueeze(1)
     y_ND = x_ND.new_zeros(N, D).index_add(0, char_k, picked_RD)
-    return y_ND, kept_R.view(N, K), S * L, 1
+    return y_ND, kept_R.view(N, K), S * L
 
 
 def bucketed_rows(like: torch.Tensor) -> torch.Tensor:
@@ -265,70 +304,29 @@ def _form_args(form: Form):
     return form.activation, form.alpha, form.limit
 
 
-class _FirstGemm(torch.autograd.Function):
-    """The fused first layer as two autograd nodes: this one (buf @ w_in + b_in, whose forward runs
-    the fused op and leaves its activation in `stash` for _FirstAct) and _FirstAct. Split, the
-    backward frees h and the activation's gradient before the weight gradient is made; one node
-    would hold both through it (the peak of a training step). b_in's gradient is made here, from
-    h's, so that a double backward (which reaches b_in through the h _FirstAct saved) gets it too."""
-
-    @staticmethod
-    def forward(ctx, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form, ops, stash):
-        h_EH, a_EH = ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))
-        stash.append(a_EH)
-        ctx.ops = ops
-        ctx.save_for_backward(buf_ED, w_in_SDH, order_A, rows_A)
-        return h_EH
-
-    @staticmethod
-    def backward(ctx, grad_h_EH):
-        buf_ED, w_in_SDH, order_A, rows_A = ctx.saved_tensors
-        ops, need, S = ctx.ops, ctx.needs_input_grad, w_in_SDH.shape[0]
-        grad_buf = ops.grouped_mm(grad_h_EH, w_in_SDH.transpose(1, 2), order_A, rows_A) if need[0] else None
-        grad_w = _ops._wgrad(ops, buf_ED, grad_h_EH, w_in_SDH, order_A, rows_A, S) if need[1] else None
-        grad_b = (grad_h_EH.new_zeros(S, grad_h_EH.shape[1]).index_add(0, reference.row_slots(order_A, rows_A),
-                                                                        grad_h_EH) if need[2] else None)
-        return grad_buf, grad_w, grad_b, None, None, None, None, None
-
-
-class _FirstAct(torch.autograd.Function):
-    """The activation of h (computed by _FirstGemm's fused op); its backward gives h's gradient."""
-
-    @staticmethod
-    def forward(ctx, h_EH, order_A, rows_A, form, ops, stash, n_slots):
-        ctx.form, ctx.ops, ctx.n_slots = form, ops, n_slots
-        ctx.save_for_backward(h_EH, order_A, rows_A)
-        return stash.pop()
-
-    @staticmethod
-    def backward(ctx, grad_a_EH):
-        h_EH, order_A, rows_A = ctx.saved_tensors
-        # A double backward takes the differentiable twin, through h.
-        fn = reference.expert_act_backward if torch.is_grad_enabled() else ctx.ops.expert_act_backward
-        gh, _ = fn(grad_a_EH.contiguous(), h_EH, order_A, rows_A, *_form_args(ctx.form), ctx.n_slots, False)
-        return gh, None, None, None, None, None, None
-
-
 def _gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A):
     """buf @ w_in + b_in per slot's rows, unfused (the bias added by row)."""
     h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
     if b_in_SH is None:
         return h_EH
-    return h_EH + b_in_SH.index_select(0, reference.row_slots(order_A, rows_A))
+    return h_EH + reference.per_row(b_in_SH, order_A, rows_A, h_EH.shape[0])
 
 
-def _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form: Form):
-    """The form's activation of buf @ w_in + b_in, per slot's rows: the compiled op fuses the
-    bias and activation into the GEMM; the pure-torch twin on a GPU keeps its buffers bucketed."""
+def _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form: Form):
+    """The form's activation of x's gathered rows @ w_in + b_in, per slot's rows. Without a
+    gradient the compiled op gathers each slot's rows into a thread's tile (gather_mm_act, where
+    the device has it): the gathered rows and h are never written out. Otherwise one op fuses the
+    bias and activation into the GEMM and keeps h for its backward."""
+    order_A, rows_A, row_pair_E, dest_NK = plan
+    fused = ops is not _ops.REFERENCE and form.fn is None
+    if fused and not _wants_grad((x_ND, w_in_SDH, b_in_SH)) and _ops.has_fused("gather_mm_act", x_ND.device):
+        return ops.gather_mm_act(x_ND, w_in_SDH, b_in_SH, order_A, rows_A, row_pair_E, dest_NK, *_form_args(form))
+    buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
     if form.fn is not None:  # the caller's function: nothing fuses it
         return form.act(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A))
     if ops is _ops.REFERENCE and buf_ED.is_cuda:
         return BucketedAct.apply(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A), form)
-    if ops is _ops.REFERENCE or not _wants_grad((buf_ED, w_in_SDH, b_in_SH)):  # the twin: torch's autograd
-        return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
-    stash = []
-    h_EH = _FirstGemm.apply(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form, ops, stash)
-    return _FirstAct.apply(h_EH, order_A, rows_A, form, ops, stash, w_in_SDH.shape[0])
+    return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
 
 
 def _post(out_ED, post, spread):
@@ -346,89 +344,29 @@ def _post(out_ED, post, spread):
     return y
 
 
-def _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post):
+def _second_layer(ops, a_EH, w_out_SHD, gates_NK, plan, post):
+    """The second GEMM and the gated combine. Where the device has it, one op (grouped_mm_scatter),
+    whose backward keeps each slot's rows of the output gradient in a thread's tile where they fit
+    (the op decides), and the [E, d] outputs are not kept for it."""
+    order_A, rows_A, row_pair_E, dest_NK = plan
+    if post is None and ops is not _ops.REFERENCE and _ops.has_fused("grouped_mm_scatter", a_EH.device):
+        return ops.grouped_mm_scatter(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK)
     out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
-    if post is None:
-        return out_ED
-    return _post(out_ED, post, lambda b_SD: b_SD.index_select(0, reference.row_slots(order_A, rows_A)))
-
-
-class _SecondLayerScatter(torch.autograd.Function):
-    """y = weighted_scatter(grouped_mm(a, w_out), dest, row_pair, gates), whose backward is one
-    fused op (scatter_mm_backward): each slot's rows of the output gradient live in a thread's
-    tile, never in an [E, d] buffer, and the [E, d] outputs are not kept for the backward."""
-
-    @staticmethod
-    def forward(ctx, a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK, ops):
-        out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
-        ctx.ops = ops
-        ctx.save_for_backward(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK)
-        return ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
-
-    @staticmethod
-    def backward(ctx, grad_y_ND):
-        a_EH, w_out_SHD, gates_NK, *plan = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        layout = 0 if not need[1] else 2 if _ops.stored_transposed(w_out_SHD) else 1  # w_out's gradient, in its layout
-        # A double backward takes the differentiable twin.
-        fn = reference.scatter_mm_backward if torch.is_grad_enabled() else ctx.ops.scatter_mm_backward
-        grad_a, grad_w, grad_g = fn(grad_y_ND.contiguous(), a_EH, w_out_SHD, gates_NK, *plan, layout)
-        grad_w = (grad_w.mT if layout == 2 else grad_w) if need[1] else None
-        return grad_a if need[0] else None, grad_w, grad_g if need[2] else None, None, None, None, None, None
-
-
-# The fused backward keeps one slot's rows of the output gradient in a thread's tile: worth it
-# while a tile stays in cache and no slot holds more than a thread's share of the rows (the fused
-# op gives each slot to one thread, where the unfused GEMMs split a sink slot across threads).
-FUSED_TILE_BYTES = 1 << 20
-
-
-def _fuses_second_backward(ops, a_EH, w_out_SHD, gates_NK, rows_A, post) -> bool:
-    if post is not None or ops is _ops.REFERENCE or not rows_A.numel():
-        return False
-    if not _ops.has_fused("scatter_mm_backward", a_EH.device) or not _wants_grad((a_EH, w_out_SHD, gates_NK)):
-        return False
-    top = int(rows_A.max())  # slot_rows is on the host
-    return (top * w_out_SHD.shape[2] * a_EH.element_size() <= FUSED_TILE_BYTES
-            and top * torch.get_num_threads() <= a_EH.shape[0])
-
-
-# Inference's first layer gathers each slot's rows into a thread's tile and multiplies them there
-# (gather_mm_act): the gathered rows and h are never written out, where the training path keeps
-# both for the backward. Taken while the busiest slot's rows and their h fit in a tile (csrc's
-# kGatherTileBytes); larger experts (hundreds of rows of a wide layer) keep one GEMM per slot.
-GATHER_TILE_BYTES = 2 << 20
-
-
-def _gathers_in_tiles(ops, x_ND, w_in_SDH, b_in_SH, rows_A, form) -> bool:
-    if form.fn is not None or ops is _ops.REFERENCE or not rows_A.numel():
-        return False
-    if not _ops.has_fused("gather_mm_act", x_ND.device) or _wants_grad((x_ND, w_in_SDH, b_in_SH)):
-        return False
-    return int(rows_A.max()) * (w_in_SDH.shape[1] + w_in_SDH.shape[2]) * x_ND.element_size() <= GATHER_TILE_BYTES
+    if post is not None:
+        out_ED = _post(out_ED, post, lambda b_SD: reference.per_row(b_SD, order_A, rows_A, out_ED.shape[0]))
+    return ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
 
 
 def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, bucketed, form, b_in_SH, skip, post):
-    """The plan's groups, one pair of grouped matmuls with the form's activation between, gated
-    combine."""
-    S = w_in_SDH.shape[0]
-    plan = ops.group_plan(slot_idx_NK, S, cap, bucketed, True) if skip else ops.group_plan(slot_idx_NK, S, cap,
-                                                                                         bucketed)
-    load_S, order_A, rows_A, row_pair_E, dest_NK = plan
-    if _gathers_in_tiles(ops, x_ND, w_in_SDH, b_in_SH, rows_A, form):
-        a_EH = ops.gather_mm_act(x_ND, w_in_SDH, b_in_SH, order_A, rows_A, row_pair_E, dest_NK, *_form_args(form))
-    else:
-        buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
-        a_EH = _first_layer(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, form)
-    if _fuses_second_backward(ops, a_EH, w_out_SHD, gates_NK, rows_A, post):
-        y_ND = _SecondLayerScatter.apply(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK, ops)
-    else:
-        out_ED = _second_layer(ops, a_EH, w_out_SHD, order_A, rows_A, post)
-        y_ND = ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
-    return y_ND, dest_NK >= 0, row_pair_E.shape[0], rows_A
+    """The pipeline: plan -> first layer (gather, GEMM, activation) -> second layer (GEMM, gated
+    combine). An exact plan's sizes depend on the input's shapes only."""
+    _, order_A, rows_A, row_pair_E, dest_NK = ops.group_plan(slot_idx_NK, w_in_SDH.shape[0], cap, bucketed, skip)
+    plan = (order_A, rows_A, row_pair_E, dest_NK)
+    a_EH = _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form)
+    return _second_layer(ops, a_EH, w_out_SHD, gates_NK, plan, post), dest_NK >= 0, rows_A
 
 
-# Up to this many characters go through the decode path (no plan): writing's one character per
+# Up to this many tokens go through the decode path (no plan): writing's one character per
 # stream, or a handful of streams.
 DECODE_MAX_CHARS = 4
 
@@ -437,12 +375,18 @@ def _wants_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _decode_size(N) -> bool:
+    """A handful of tokens. Under torch.compile with a symbolic N this is False without a guard,
+    so the one graph (the general pipeline) serves every N."""
+    return statically_known_true(N > 0) and statically_known_true(N <= DECODE_MAX_CHARS)
+
+
 def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     """The decode path's conditions: a handful of characters; no capacity drop (one character
     never gives a slot two pairs, so a cap cannot bite); and, where a gradient is wanted, one
     character, whose pairs have distinct slots (the weight gradient takes each slot once), none
     of them skipped (a skipped pair borrows slot 0)."""
-    if not 0 < N <= DECODE_MAX_CHARS or (cap and N > 1):
+    if not _decode_size(N) or (cap and N > 1):
         return False
     return not wants_grad or (N == 1 and not skipping)
 
@@ -457,29 +401,22 @@ def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool) -> bo
 
 
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
-    """A handful of characters without a plan: on the CPU, with more than one character, the pairs
-    are sorted by slot, so each routed slot's weights are read once, by one range of its pairs
-    (one character's top_k slots are distinct already); on a GPU every (character, k)
-    pair is its own one-row range (a plan built on the host, so nothing synchronises). Only the
-    routed slots' weights are read, with the same gather and deterministic gated combine as the
-    grouped path. A skipped pair (valid_NK False) runs on slot 0 with gate 0: it adds nothing."""
+    """A handful of characters without the plan (on a GPU, or on the pure-torch twins): every
+    (character, k) pair is its own one-row range, a plan built on the host from the shapes alone
+    (nothing synchronises).
+    Only the routed slots' weights are read, with the same gather and deterministic gated combine
+    as the pipeline. A skipped pair (valid_NK False) runs on slot 0 with gate 0: it adds nothing."""
     N, K = slot_idx_NK.shape
-    dev = x_ND.device
     if valid_NK is not None:
         slot_idx_NK, gates_NK = torch.where(valid_NK, slot_idx_NK, 0), torch.where(valid_NK, gates_NK, 0)
+    else:  # no plan to check the ids: the twins' check (a device assert on a GPU)
+        reference.check_slot_ids(slot_idx_NK, w_in_SDH.shape[0])
     ids_R = slot_idx_NK.reshape(-1)
-    if N > 1 and dev.type == "cpu":  # the ids are on the host already: one range per slot
-        ids_R, pair_R = ids_R.sort(stable=True)
-        ids_R, rows_R = torch.unique_consecutive(ids_R, return_counts=True)
-        dest_NK = torch.empty_like(pair_R).scatter_(0, pair_R, torch.arange(N * K)).view(N, K)
-    else:
-        rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
-        pair_R = torch.arange(N * K, device=dev)
-        dest_NK = pair_R.view(N, K)
-    x_RD = ops.bucketed_gather(x_ND, pair_R, dest_NK, None)
-    h_RH = _first_layer(ops, x_RD, w_in_SDH, b_in_SH, ids_R, rows_R, form)
-    out_RD = _second_layer(ops, h_RH, w_out_SHD, ids_R, rows_R, post)
-    return ops.weighted_scatter(out_RD, dest_NK, pair_R, gates_NK), rows_R
+    rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
+    pair_R = torch.arange(N * K, device=x_ND.device)
+    plan = (ids_R, rows_R, pair_R, pair_R.view(N, K))
+    a_RH = _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form)
+    return _second_layer(ops, a_RH, w_out_SHD, gates_NK, plan, post), rows_R
 
 
 def _takes_decode_op(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_of_range: str, path: str,
@@ -577,8 +514,9 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     not in the cap. Returns y [N, d], or (y, DispatchStats) with return_stats.
     """
     form = Form.of(activation, alpha, limit)
-    if post is None and not return_stats and _takes_decode_op(x, slot_idx, gates, w_in, w_out, form, b_in, b_out,
-                                                              out_of_range_slots, path, capacity_factor, n_valid):
+    if (post is None and not return_stats and not torch.compiler.is_compiling()
+            and _takes_decode_op(x, slot_idx, gates, w_in, w_out, form, b_in, b_out, out_of_range_slots, path,
+                                 capacity_factor, n_valid)):
         return _decode_op(x, slot_idx, gates, w_in, w_out, form, b_in, b_out)
     if post is not None and not callable(post):
         raise TypeError(f"expert_mlp: post must be a callable or None, got {type(post).__name__}")
@@ -594,9 +532,9 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     valid = ((slot_idx >= 0) & (slot_idx < S)) if skip else None
     cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
+    rows_A = None  # the plan's rows per listed slot, for the statistics
     if path == "rectangle":
-        y, kept, executed, groups = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid,
-                                               post_pair)
+        y, kept, executed = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid, post_pair)
     else:
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
         if bucketed is None:
@@ -609,42 +547,51 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
             with torch._C._AutoDispatchBelowAutograd():
                 y = ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
             b_out = None  # added inside, per pair
-            rows_A = torch.unique(slot_idx, return_counts=True)[1] if return_stats else None
             kept, executed = valid, N * K
-        elif decode:
+        elif decode and (x.device.type != "cpu" or ops is _ops.REFERENCE):
             # Writing wants no gradient: the ops then run straight to their kernels, skipping the
-            # Python autograd wrapper that registered ops pass through (~20 us per call).
+            # Python autograd wrapper that registered ops pass through.
             with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():
                 y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out, form, b_in, valid, post_pair)
             kept, executed = valid, N * K  # nothing dropped but the skipped, nothing padded
         else:
-            y, kept, executed, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed, form, b_in,
-                                                 skip, post_pair)
-        groups = len(reference.groups(rows_A)) if return_stats else 0
+            y, kept, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed, form, b_in, skip,
+                                       post_pair)
+            executed = rows_A.sum()
     if b_out is not None and post is None:
         y = _add_out_bias(y, b_out, slot_idx, gates, kept)
     if not return_stats:
         return y
+    groups = 1 if path == "rectangle" else (lambda: _groups(rows_A)) if rows_A is not None else 0
     return y, dispatch_stats(slot_idx[:n_valid], S, cap, executed, groups, None if valid is None else valid[:n_valid])
 
 
-def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed: int, groups: int,
+def _groups(rows_A) -> int:
+    """The batched-matmul groups of a plan: its distinct nonzero row counts (a bucketed plan's
+    groups are runs of equal counts, sorted)."""
+    return int(torch.unique(rows_A[rows_A > 0]).numel())
+
+
+def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed, groups,
                    valid_NK: torch.Tensor | None = None) -> DispatchStats:
     """The statistics of a call from its real characters' routing: a capped slot keeps its first
     `cap` pairs, so what it drops is what its count passes the cap by. valid_NK: the pairs whose
-    slot is here (skipped ones count nowhere)."""
-    ids = slot_idx_NK.reshape(-1) if valid_NK is None else slot_idx_NK[valid_NK]
-    routed = ids.numel()
-    count_S = torch.bincount(ids, minlength=S).cpu()  # one copy from a GPU
-    max_load = int(count_S.max()) if routed else 0
+    slot is here (skipped ones count nowhere). Nothing is read from the device here: each field is
+    read when it is first asked for."""
+    ids_R = slot_idx_NK.reshape(-1)
+    if valid_NK is not None:  # skipped pairs: a spare slot past the end
+        ids_R = torch.where(valid_NK.reshape(-1), ids_R, S)
+    count_S = torch.zeros(S + 1, dtype=torch.long, device=ids_R.device).index_add_(
+        0, ids_R, torch.ones_like(ids_R))[:S]
+    routed = count_S.sum()
     return DispatchStats(
         routed_pairs=routed,
-        dropped_pairs=int((count_S - cap).clamp(min=0).sum()) if cap else 0,
-        executed_rows=int(executed),
+        dropped_pairs=(count_S - cap).clamp(min=0).sum() if cap else 0,
+        executed_rows=executed,
         groups=groups,
-        max_load_ratio=max_load / (routed / S) if routed else 0.0,
+        max_load_ratio=count_S.max().double() * S / routed.clamp(min=1) if S else 0.0,
         top_k=slot_idx_NK.shape[1],
         capacity=cap,
-        slot_load=count_S.tolist(),
+        slot_load=count_S,
         chars=-1 if valid_NK is None else slot_idx_NK.shape[0],
     )

@@ -7,6 +7,7 @@ transposed weights. So double backward works wherever the forward does.
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
@@ -47,8 +48,11 @@ def _fake_registrations(lib: str = "minagi") -> None:
 
     @torch.library.register_fake(f"{lib}::group_plan")
     def _(slot_idx, n_slots, capacity, bucketed, skip_invalid=False):
-        ctx = torch.library.get_ctx()
-        A, E = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        if bucketed:  # the active slots and their bucketed rows: sizes that depend on the data
+            ctx = torch.library.get_ctx()
+            A, E = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        else:  # every slot, and a row per pair: sizes from the input's shape only
+            A, E = n_slots, slot_idx.shape[0] * slot_idx.shape[1]
         new = slot_idx.new_empty
         # slot_rows is on the host for GPU inputs: the grouped GEMM's sizes, copied once.
         return new(n_slots), new(A), new(A, device="cpu"), new(E), new(slot_idx.shape)
@@ -92,6 +96,11 @@ def _fused_fake_registrations(names: tuple[str, ...], lib: str = "minagi") -> No
                                    f"[S, I, D]) or 2 (transposed, [S, D, I]), got {b_grad}")
             S, I, D = b.shape
             return a.new_empty(a.shape), a.new_empty(((0,), (S, I, D), (S, D, I))[b_grad]), gates.new_empty(gates.shape)
+
+    if "grouped_mm_scatter" in names:
+        @torch.library.register_fake(f"{lib}::grouped_mm_scatter")
+        def _(a, b, gates, slot_ids, slot_rows, row_pair, dest):
+            return a.new_empty(dest.shape[0], b.shape[2])
 
     if "gather_mm_act" in names:
         @torch.library.register_fake(f"{lib}::gather_mm_act")
@@ -224,8 +233,7 @@ def _autograd_registrations(lib: str = "minagi") -> None:
         if grad_h is not None:  # h itself was used: its gradient joins the activation's
             gh = gh + grad_h
             if want_bias:
-                extra = h.new_zeros(ctx.n_slots, h.shape[1]).index_add(0, reference.row_slots(slot_ids, slot_rows),
-                                                                      grad_h)
+                extra = reference.slot_sums(grad_h, slot_ids, slot_rows, ctx.n_slots)
                 gb = extra if gb is None else gb + extra
         grad_a = ops.grouped_mm(gh, b.transpose(1, 2), slot_ids, slot_rows) if ctx.needs_input_grad[0] else None
         grad_b = _wgrad(ops, a, gh, b, slot_ids, slot_rows, ctx.n_slots) if ctx.needs_input_grad[1] else None
@@ -251,10 +259,31 @@ def _autograd_registrations(lib: str = "minagi") -> None:
 def _fused_autograd_registrations(names: tuple[str, ...], lib: str = "minagi") -> None:
     if "scatter_mm_backward" in names:
         _scatter_mm_backward_autograd(lib)
+    if "grouped_mm_scatter" in names:
+        _grouped_mm_scatter_autograd(lib)
     if "gather_mm_act" in names:
         _gather_mm_act_autograd(lib)
     if "decode_experts" in names:
         _decode_experts_autograd(lib)
+
+
+def _grouped_mm_scatter_autograd(lib: str) -> None:
+    ops = getattr(torch.ops, lib)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def bwd(ctx, grad_y):
+        a, b, gates, *plan = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        layout = 0 if not need[1] else 2 if stored_transposed(b) else 1  # b's gradient, in b's layout
+        # A double backward takes the differentiable twin.
+        fn = reference.scatter_mm_backward if torch.is_grad_enabled() else ops.scatter_mm_backward
+        grad_a, grad_b, grad_g = fn(grad_y.contiguous(), a, b, gates, *plan, layout)
+        grad_b = (grad_b.mT if layout == 2 else grad_b) if need[1] else None
+        return grad_a if need[0] else None, grad_b, grad_g if need[2] else None, None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::grouped_mm_scatter", bwd, setup_context=setup)
 
 
 def _gather_mm_act_autograd(lib: str) -> None:
@@ -318,9 +347,18 @@ def _scatter_mm_backward_autograd(lib: str) -> None:
                                     setup_context=scatter_mm_backward_setup)
 
 
+_REGISTERING = threading.Lock()
+
+
 def _register() -> None:
+    """The fake kernels and autograd of the compiled ops, once (at import, where the extension
+    loads; two threads asking at once register them once)."""
     global _REGISTERED
-    if not _REGISTERED:
+    if _REGISTERED:
+        return
+    with _REGISTERING:
+        if _REGISTERED:
+            return
         _fake_registrations()
         _autograd_registrations()
         names = _fused_names()  # a build from before a fused op lacks it
@@ -362,9 +400,14 @@ _SUPPORTS: dict[str, bool] = {}
 def supports(device: torch.device) -> bool:
     """Whether every compiled op has a kernel for this device (asked once per device type: the
     registrations do not change, and decoding asks on every row)."""
-    if device.type not in _SUPPORTS:
-        _SUPPORTS[device.type] = all(_backend.has_kernel(name, device.type) for name in _backend.OP_NAMES)
-    return _SUPPORTS[device.type]
+    return _supports_type(device.type)
+
+
+@torch.compiler.assume_constant_result  # the registrations do not change while a graph runs
+def _supports_type(device_type: str) -> bool:
+    if device_type not in _SUPPORTS:
+        _SUPPORTS[device_type] = all(_backend.has_kernel(name, device_type) for name in _backend.OP_NAMES)
+    return _SUPPORTS[device_type]
 
 
 _FUSED: dict[tuple[str, str], bool] = {}
@@ -372,12 +415,21 @@ _FUSED: dict[tuple[str, str], bool] = {}
 
 def has_fused(name: str, device: torch.device) -> bool:
     """Whether the fused op `name` (_backend.FUSED_OP_NAMES) has a compiled kernel for this device."""
-    key = (name, device.type)
+    return _has_fused_type(name, device.type)
+
+
+@torch.compiler.assume_constant_result
+def _has_fused_type(name: str, device_type: str) -> bool:
+    key = (name, device_type)
     if key not in _FUSED:
-        _FUSED[key] = _backend.loaded() and name in _fused_names() and _backend.has_kernel(name, device.type)
+        _FUSED[key] = _backend.loaded() and name in _fused_names() and _backend.has_kernel(name, device_type)
     return _FUSED[key]
 
 
 def best(device: torch.device) -> types.SimpleNamespace:
     """Compiled ops where they run on this device, else the pure-torch twins."""
     return compiled() if supports(device) else REFERENCE
+
+
+if _backend.state().loaded:  # torch.compile traces the ops through these: none may be made then
+    compiled()

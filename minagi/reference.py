@@ -43,8 +43,30 @@ def activate(h, activation: str, alpha: float = 1.702, limit: float = 7.0):
 
 
 def row_slots(slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor) -> torch.Tensor:
-    """The slot of every row of a plan's buffer, [E]."""
+    """The slot of every row of a plan's listed ranges, [sum(slot_rows)]."""
     return torch.repeat_interleave(slot_ids_A, slot_rows_A.to(slot_ids_A.device))
+
+
+def per_row(table_SW: torch.Tensor, slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """table[slot of each row] for the n_rows rows of a plan's buffer, zeros for the rows past the
+    listed ranges (an exact plan's dropped pairs). Its size is n_rows whatever the ranges hold, so
+    it traces with static shapes."""
+    S = table_SW.shape[0]
+    rows_A = slot_rows_A.to(slot_ids_A.device)
+    ids = torch.cat([slot_ids_A, slot_ids_A.new_full((1,), S)])  # the padded zero row
+    counts = torch.cat([rows_A, (n_rows - rows_A.sum()).reshape(1)])
+    return F.pad(table_SW, (0, 0, 0, 1)).index_select(0, torch.repeat_interleave(ids, counts, output_size=n_rows))
+
+
+def slot_sums(rows_EW: torch.Tensor, slot_ids_A, slot_rows_A, n_slots: int) -> torch.Tensor:
+    """Per slot, the sum of its rows of rows_EW, [n_slots, W] (zeros for slots with none; rows past
+    the listed ranges count nowhere)."""
+    E, W = rows_EW.shape
+    ids = torch.cat([slot_ids_A, slot_ids_A.new_full((1,), n_slots)])  # the rows past the ranges: a spare slot
+    rows_A = slot_rows_A.to(slot_ids_A.device)
+    counts = torch.cat([rows_A, (E - rows_A.sum()).reshape(1)])
+    slots_E = torch.repeat_interleave(ids, counts, output_size=E)
+    return rows_EW.new_zeros(n_slots + 1, W).index_add(0, slots_E, rows_EW)[:n_slots]
 
 
 def bucket(n: int) -> int:
@@ -97,11 +119,32 @@ def slot_ranks(flat_R: torch.Tensor, n_slots: int):
     return rank_R, count_S
 
 
+def check_slot_ids(slot_idx_NK: torch.Tensor, n_slots: int) -> None:
+    """Every id in [0, n_slots), in expert_mlp's words (the compiled plan's check): raised at once
+    on the CPU in eager mode, a device assert elsewhere (nothing synchronises)."""
+    if slot_idx_NK.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = ((slot_idx_NK < 0) | (slot_idx_NK >= n_slots)).nonzero()
+        if bad.numel():
+            n, j = bad[0].tolist()
+            raise ValueError(f"expert_mlp: slot_idx holds {int(slot_idx_NK[n, j])}, outside [0, S = {n_slots}) at "
+                             f"token {n}, position {j}{SKIP_HINT}")
+        return
+    torch._assert_async(((slot_idx_NK >= 0) & (slot_idx_NK < n_slots)).all(),
+                        f"expert_mlp: slot_idx holds an id outside [0, S = {n_slots}){SKIP_HINT}")
+
+
+SKIP_HINT = (" (ids of experts held elsewhere, as expert parallelism passes them: out_of_range_slots='skip' drops "
+             "those pairs)")
+
+
 def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed: bool, skip_invalid: bool = False):
     """The dispatch plan; see the schema in csrc/ops.cpp."""
     N, K = slot_idx_NK.shape
+    R = N * K
     dev = slot_idx_NK.device
     flat_R = slot_idx_NK.reshape(-1)
+    if not skip_invalid:
+        check_slot_ids(slot_idx_NK, n_slots)
     valid_R = (flat_R >= 0) & (flat_R < n_slots)
     if skip_invalid:  # out-of-range ids: a slot of their own past the end, dropped below
         flat_R = torch.where(valid_R, flat_R, n_slots)
@@ -109,17 +152,24 @@ def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed:
     count_S = count_S[:n_slots]
     load_S = count_S.clamp(max=capacity) if capacity > 0 else count_S
     kept_R = rank_R < torch.cat([load_S, load_S.new_zeros(1)])[flat_R] if skip_invalid else rank_R < load_S[flat_R]
+    if not bucketed:  # every slot in id order: every size depends on the input's shape only
+        start_S = torch.cumsum(load_S, 0) - load_S
+        dest_R = torch.where(kept_R, start_S[flat_R.clamp(max=n_slots - 1)] + rank_R, -1)
+        row_pair_R = torch.full((R + 1,), -1, dtype=torch.long, device=dev)  # the last one takes the dropped
+        row_pair_R = row_pair_R.scatter(0, torch.where(kept_R, dest_R, R), torch.arange(R, device=dev))[:R]
+        order_S = torch.arange(n_slots, device=dev)
+        return load_S, order_S, load_S.cpu(), row_pair_R, dest_R.view(N, K)
 
     active_A = torch.nonzero(load_S > 0).reshape(-1)
     slot_order_A = active_A[torch.sort(load_S[active_A], stable=True).indices]
-    slot_rows_A = bucket_tensor(load_S[slot_order_A]) if bucketed else load_S[slot_order_A]
+    slot_rows_A = bucket_tensor(load_S[slot_order_A])
     start_A = torch.cumsum(slot_rows_A, 0) - slot_rows_A
     start_S = torch.full((n_slots + 1,), -1, dtype=torch.long, device=dev)
     start_S[slot_order_A] = start_A
 
     dest_R = torch.where(kept_R, start_S[flat_R] + rank_R, -1)
     # Like the compiled op, slot_rows lives on the host: the grouped GEMM sizes its matmuls from
-    # it, and this is the plan's one device-to-host copy.
+    # it, and this is the bucketed plan's one device-to-host copy.
     slot_rows_A = slot_rows_A.cpu()
     E = int(slot_rows_A.sum())
     row_pair_E = torch.full((E,), -1, dtype=torch.long, device=dev)
@@ -179,10 +229,10 @@ def grouped_mm(a_EI, b_SIO, slot_ids_A, slot_rows_A):
         outs.append(torch.bmm(a_GCI, w_AIO[slot:slot + n_slots]).reshape(n_slots * rows, b_SIO.shape[2]))
         row += n_slots * rows
         slot += n_slots
-    if row != a_EI.shape[0]:
-        raise ValueError(f"minagi.grouped_mm: slot_rows sums to {row} rows but a has {a_EI.shape[0]}")
-    if not outs:
-        return a_EI.new_zeros(0, b_SIO.shape[2]) + _graph_zero(a_EI, b_SIO)
+    if row > a_EI.shape[0]:
+        raise ValueError(f"minagi.grouped_mm: slot_rows sums to {row} rows but a has only {a_EI.shape[0]}")
+    # Rows past the ranges (an exact plan's dropped pairs) own no slot: zeros.
+    outs.append(a_EI.new_zeros(a_EI.shape[0] - row, b_SIO.shape[2]) + _graph_zero(a_EI, b_SIO))
     return torch.cat(outs)
 
 
@@ -203,7 +253,7 @@ def grouped_mm_act(a_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation: st
     """h = grouped_mm(a, b) + bias[slot of each row], and the form's activation of h."""
     h_EM = grouped_mm(a_EK, b_SKM, slot_ids_A, slot_rows_A)
     if bias_SM is not None:
-        h_EM = h_EM + bias_SM.index_select(0, row_slots(slot_ids_A, slot_rows_A))
+        h_EM = h_EM + per_row(bias_SM, slot_ids_A, slot_rows_A, h_EM.shape[0])
     return h_EM, activate(h_EM, activation, alpha, limit)
 
 
@@ -212,6 +262,11 @@ def gather_mm_act(x_ND, b_SKM, bias_SM, slot_ids_A, slot_rows_A, row_pair_E, des
     """The activation of grouped_mm_act on the plan's gathered rows of x (inference's first layer)."""
     buf_EK = bucketed_gather(x_ND, row_pair_E, dest_NK, None)
     return grouped_mm_act(buf_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation, alpha, limit)[1]
+
+
+def grouped_mm_scatter(a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_A, row_pair_E, dest_NK):
+    """An expert's second layer and the gated combine: weighted_scatter(grouped_mm(a, b), ...)."""
+    return weighted_scatter(grouped_mm(a_EI, b_SID, slot_ids_A, slot_rows_A), dest_NK, row_pair_E, gates_NK)
 
 
 def decode_experts(x_ND, slot_idx_NK, gates_NK, w_in_SDM, w_out_SHD, b_in_SM, b_out_SD, activation: str,
@@ -239,8 +294,7 @@ def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str,
         (grad_h_EM,) = torch.autograd.grad(activate(h, activation, alpha, limit), h, grad_EW, create_graph=True)
     if not bias_grad:
         return grad_h_EM, h_EM.new_zeros(0)
-    grad_b_SM = h_EM.new_zeros(n_slots, h_EM.shape[1]).index_add(0, row_slots(slot_ids_A, slot_rows_A), grad_h_EM)
-    return grad_h_EM, grad_b_SM
+    return grad_h_EM, slot_sums(grad_h_EM, slot_ids_A, slot_rows_A, n_slots)
 
 
 def scatter_mm_backward(grad_y_ND, a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_A, row_pair_E, dest_NK,

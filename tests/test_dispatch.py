@@ -1,4 +1,5 @@
 """expert_mlp's paths against each other, the loop oracle, and the degenerate dense case."""
+import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,9 +267,9 @@ def test_decode_path_skips_the_plan(monkeypatch, path, N):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_decode_reads_each_slot_once(path):
-    # On the CPU the pairs of a few characters that share a slot become one range of that slot:
-    # its weights are read once, not once per character.
+def test_unfused_decode_is_a_one_row_range_per_pair(path):
+    # Without the decode op (a GPU, the twins, or a gradient there), each (token, k) pair is its
+    # own one-row range: a plan from the shapes alone, nothing read from the ids on the host.
     slot_idx = torch.tensor([[0, 1], [1, 0], [2, 1], [1, 3]])
     x, w_in, w_out = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
         torch.randn(4, 12, 8, dtype=torch.float64)
@@ -277,7 +278,7 @@ def test_decode_reads_each_slot_once(path):
     with torch.no_grad():
         form = minagi.dispatch.Form.of("gelu", 1.702, 7.0)
         y, rows = minagi.dispatch._decode(ops, x, slot_idx, gates, w_in, w_out, form, None, None, None)
-    assert rows.tolist() == [2, 4, 1, 1]
+    assert rows.tolist() == [1] * 8
     assert_close(y, expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle"))
 
 
@@ -357,50 +358,56 @@ def test_decode_path_gives_way_where_it_would_be_wrong(monkeypatch, path):
         assert_close(a, b, scale=4)
 
 
-@requires_ext
-@pytest.mark.parametrize("name", ["uniform", "sink", "k1"])
-@pytest.mark.parametrize("cf,bucketed", [(0.0, None), (0.5, None), (0.0, True)])
-def test_fused_second_layer_backward_is_taken_and_equals_the_unfused_ops(monkeypatch, name, cf, bucketed):
-    from minagi import dispatch
+@contextlib.contextmanager
+def tile_bytes(name: str, value: int):
+    """A fused CPU kernel's tile size for the block (0: no tile fits, the kernel's unfused path)."""
+    before = torch.ops.minagi.tile_bytes(name, value)
+    try:
+        yield
+    finally:
+        torch.ops.minagi.tile_bytes(name, before)
 
+
+@requires_ext
+def test_tile_bytes_reads_sets_and_names_a_bad_name():
+    before = torch.ops.minagi.tile_bytes("gather")
+    with tile_bytes("gather", 123):
+        assert torch.ops.minagi.tile_bytes("gather") == 123
+    assert torch.ops.minagi.tile_bytes("gather") == before > 0 and torch.ops.minagi.tile_bytes("fused") > 0
+    with pytest.raises(ValueError, match="name must be 'gather' or 'fused', got 'nope'"):
+        torch.ops.minagi.tile_bytes("nope")
+
+
+@requires_ext
+@pytest.mark.parametrize("name", ["uniform", "sink", "k1", "S1"])
+@pytest.mark.parametrize("cf,bucketed", [(0.0, None), (0.5, None), (0.0, True)])
+def test_fused_second_layer_backward_equals_its_unfused_path(name, cf, bucketed):
+    # The second layer is one op (grouped_mm_scatter) whose backward keeps each slot's rows in a
+    # thread's tile where they fit and no slot passes a thread's share (S1: one slot holds every
+    # row), else takes whole-buffer GEMMs: the same gradients either way.
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the choice weighs the busiest slot against a thread's share of the rows
     try:
         slot_idx, leaves = make(name, torch.float64)
         y_f, g_f, _ = _run("compiled", slot_idx, leaves, cf, bucketed)
-        monkeypatch.setattr(dispatch, "FUSED_TILE_BYTES", 0)  # no tile fits: the unfused ops
-        y_u, g_u, _ = _run("compiled", slot_idx, leaves, cf, bucketed)
+        with tile_bytes("fused", 0):
+            y_u, g_u, _ = _run("compiled", slot_idx, leaves, cf, bucketed)
     finally:
         torch.set_num_threads(threads)
-    assert y_f.grad_fn.name() == "_SecondLayerScatterBackward" and y_u.grad_fn.name() != y_f.grad_fn.name()
+    assert y_f.grad_fn.name() == y_u.grad_fn.name() == "GeneratedBackwardFor_minagi_grouped_mm_scatter_defaultBackward"
     assert_close(y_f, y_u)
     for what, a, b in zip(("x", "gates", "w_in", "w_out"), g_f, g_u):
         assert_close(a, b, torch.float64, scale=4, msg=f"grad of {what}")
 
 
 @requires_ext
-def test_fused_second_layer_backward_gives_way_to_a_slot_past_a_threads_share():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:  # one slot holds every row: the unfused GEMMs split it over the threads
-        slot_idx, leaves = make("S1", torch.float64)
-        y, _, _ = _run("compiled", slot_idx, leaves)
-    finally:
-        torch.set_num_threads(threads)
-    assert y.grad_fn.name() != "_SecondLayerScatterBackward"
-
-
-@requires_ext
 @pytest.mark.parametrize("name", ["uniform", "sink", "k1", "empty"])
 @pytest.mark.parametrize("cf,bucketed", [(0.0, None), (0.5, None), (0.0, True)])
 @pytest.mark.parametrize("activation,bias,transposed", [("gelu", False, False), ("swiglu", True, True)])
-def test_inference_gathers_in_tiles_and_equals_the_training_path(monkeypatch, name, cf, bucketed, activation, bias,
-                                                                  transposed):
-    from minagi import dispatch
-
-    taken = []
-    real, real_bytes = dispatch._gathers_in_tiles, dispatch.GATHER_TILE_BYTES
-    monkeypatch.setattr(dispatch, "_gathers_in_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
+def test_inference_gathers_in_tiles_and_equals_the_training_path(name, cf, bucketed, activation, bias, transposed):
+    # Without a gradient the first layer is gather_mm_act: each slot's rows gathered into a tile,
+    # or (past the tile: 0 here) gathered whole and multiplied by one GEMM; and with a gradient,
+    # the training path, which keeps its buffers. All three agree.
     slot_idx, (x, gates, w_in, w_out) = make(name, torch.float64, requires_grad=False)
     w_in = torch.cat([w_in, w_in.flip(2)], 2) if activation == "swiglu" else w_in
     b_in = torch.randn(w_in.shape[0], w_in.shape[2], dtype=torch.float64) if bias else None
@@ -412,19 +419,16 @@ def test_inference_gathers_in_tiles_and_equals_the_training_path(monkeypatch, na
 
     with torch.no_grad():
         y_tiles = run()
-    monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", 0)  # no tile fits: bucketed_gather and grouped_mm_act
-    with torch.no_grad():
-        y_buf = run()
-    monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", real_bytes)
+        with tile_bytes("gather", 0):
+            y_buf = run()
     w_out.requires_grad_()  # only the second layer wants a gradient: the first still goes in tiles
     y_wout = run()
     (g_tiles,) = torch.autograd.grad(y_wout.sum(), w_out) if y_wout.numel() else (None,)
-    monkeypatch.setattr(dispatch, "GATHER_TILE_BYTES", 0)
-    y_wout_buf = run()
+    with tile_bytes("gather", 0):
+        y_wout_buf = run()
     (g_buf,) = torch.autograd.grad(y_wout_buf.sum(), w_out) if y_wout_buf.numel() else (None,)
     w_in.requires_grad_()
     y_train = run()  # the first layer wants a gradient: the training path, which keeps its buffers
-    assert taken == ([False] * 5 if name == "empty" else [True, False, True, False, False])  # no rows: no tiles
     assert_close(y_tiles, y_buf, torch.float64, scale=4)
     assert_close(y_tiles, y_train.detach(), torch.float64, scale=4)
     assert_close(g_tiles, g_buf, torch.float64, scale=4)
@@ -443,20 +447,17 @@ def _stored_transposed_run(slot_idx, leaves):
 
 
 @requires_ext
-def test_fused_second_layer_backward_keeps_the_weights_layout_and_its_second_derivatives(monkeypatch):
-    from minagi import dispatch
-
+def test_fused_second_layer_backward_keeps_the_weights_layout_and_its_second_derivatives():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         slot_idx, leaves = make("uniform", torch.float64)
-        name_f, g_wo_f, second_f = _stored_transposed_run(slot_idx, leaves)
-        monkeypatch.setattr(dispatch, "FUSED_TILE_BYTES", 0)
-        name_u, g_wo_u, second_u = _stored_transposed_run(slot_idx, leaves)
+        _, g_wo_f, second_f = _stored_transposed_run(slot_idx, leaves)
+        with tile_bytes("fused", 0):
+            _, g_wo_u, second_u = _stored_transposed_run(slot_idx, leaves)
     finally:
         torch.set_num_threads(threads)
-    assert name_f == "_SecondLayerScatterBackward" != name_u
-    assert g_wo_f.is_contiguous()  # the stored layout's gradient, with no copy to make
+    assert g_wo_f.is_contiguous() and g_wo_u.is_contiguous()  # the stored layout's gradient, with no copy to make
     assert_close(g_wo_f, g_wo_u, torch.float64, scale=4)
     for what, a, b in zip(("x", "gates", "w_in", "w_out"), second_f, second_u):
         assert_close(a, b, torch.float64, scale=4, msg=f"second derivative of {what}")

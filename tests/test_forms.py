@@ -144,7 +144,7 @@ def test_out_of_range_slots_add_nothing_and_get_no_gradient_when_skipped(path, N
     for k in exp:
         assert_close(got[k], exp[k], scale=4, msg=k)
     assert got["gates"][0, 1] == 0 and got["gates"][1, 0] == 0 and got["gates"][2, 2] == 0
-    with pytest.raises(ValueError, match="slot_idx holds 99, outside \\[0, S = 5\\).*out_of_range_slots='skip'"):
+    with pytest.raises(ValueError, match="slot_idx holds (5|99), outside \\[0, S = 5\\).*out_of_range_slots='skip'"):
         expert_mlp(p["x"], idx.clamp(min=0), p["gates"], p["w_in"], p["w_out"], activation="swiglu", path=path)
 
 

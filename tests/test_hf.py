@@ -82,8 +82,10 @@ def test_greedy_generate_identical_and_decode_takes_few_characters_path(name, mo
     model, ids = _model(name), _ids(batch=1, seq=6)
     model.set_experts_implementation("eager")
     ref = model.generate(ids, max_new_tokens=16, do_sample=False)
-    calls = []  # the characters of each decode-path call, fused (one compiled op) or not
-    decode, fuses = minagi.dispatch._decode, minagi.dispatch._fuses_decode
+    # The tokens of each few-token call: the one compiled op, the unfused decode, or (the caller's
+    # own activation on the CPU) the pipeline, whose exact plan multiplies only the routed slots.
+    calls = []
+    decode, fuses, grouped = minagi.dispatch._decode, minagi.dispatch._fuses_decode, minagi.dispatch._grouped
 
     def fused(ops, x, *a):
         if fuses(ops, x, *a):
@@ -93,6 +95,8 @@ def test_greedy_generate_identical_and_decode_takes_few_characters_path(name, mo
 
     monkeypatch.setattr(minagi.dispatch, "_decode", lambda ops, x, *a: calls.append(x.shape[0]) or decode(ops, x, *a))
     monkeypatch.setattr(minagi.dispatch, "_fuses_decode", fused)
+    monkeypatch.setattr(minagi.dispatch, "_grouped",
+                        lambda ops, x, *a: calls.append(x.shape[0]) or grouped(ops, x, *a))
     model.set_experts_implementation("minagi")
     got = model.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(got, ref)

@@ -353,7 +353,7 @@ def test_decode_experts_names_bad_arguments(compiled):
         call(x, idx, gates.double(), w_in, w_out, None, None, "gelu", 1.702, 7.0)
     with pytest.raises(RuntimeError, match="b_out must be \\[3, 8\\]"):
         call(x, idx, gates, w_in, w_out, None, torch.randn(3, 9), "gelu", 1.702, 7.0)
-    with pytest.raises(RuntimeError, match="slot_idx holds 3"):
+    with pytest.raises(ValueError, match="slot_idx holds 3, outside \\[0, S = 3\\) at token 0, position 1"):
         call(x, torch.tensor([[0, 3], [1, 2]]), gates, w_in, w_out, None, None, "gelu", 1.702, 7.0)
 
 
@@ -656,6 +656,7 @@ def _opcheck_samples(device):
         "routing_backward": (torch.randn(40, 4, dtype=torch.float64), torch.rand(40, 4, dtype=torch.float64),
                              torch.randn(40, S).topk(4, 1).indices, S),
         "group_plan": (slot_idx, S, 0, True),
+        "group_plan/exact": (slot_idx, S, 2, False, False),
         "bucketed_gather": (x, row_pair, dest, gates),
         "weighted_scatter": (buf, dest, row_pair, gates),
         "gate_grad": (x, buf, dest, row_pair),
@@ -663,6 +664,8 @@ def _opcheck_samples(device):
         "grouped_mm_wgrad": (a, g, order, rows, S),
         "scatter_mm_backward": (torch.randn(x.shape[0], w_in.shape[2], dtype=torch.float64, requires_grad=True), a,
                                 w_in, gates, order, rows, row_pair, dest, 1),
+        "grouped_mm_scatter": (a, torch.randn(S, w_in.shape[1], x.shape[1], dtype=torch.float64, requires_grad=True),
+                               gates, order, rows, row_pair, dest),
         "gather_mm_act": (x, w_in, torch.randn(S, w_in.shape[2], dtype=torch.float64, requires_grad=True), order,
                           rows, row_pair, dest, "swiglu", 1.702, 7.0),
         "decode_experts": (x[:3], slot_idx[:3], gates[:3], w_in, w_out,
@@ -678,14 +681,16 @@ def _opcheck_samples(device):
     return {op: tuple(move(t) for t in args) for op, args in samples.items()}
 
 
-@pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "bucketed_gather",
+@pytest.mark.parametrize("op", ["routing", "routing_backward", "group_plan", "group_plan/exact", "bucketed_gather",
                                 "weighted_scatter", "gate_grad", "grouped_mm", "grouped_mm_wgrad",
-                                "scatter_mm_backward", "gather_mm_act", "decode_experts"])
+                                "scatter_mm_backward", "grouped_mm_scatter", "gather_mm_act", "decode_experts"])
 def test_opcheck(compiled, device, op):
-    if op in ops._backend.FUSED_OP_NAMES and not ops.has_fused(op, device):
-        pytest.skip(f"{op} has no {device.type} kernel (a fused op with a CPU kernel only)")
+    name = op.split("/")[0]
+    if name in ops._backend.FUSED_OP_NAMES and not ops.has_fused(name, device):
+        pytest.skip(f"{name} has no {device.type} kernel (a fused op with a CPU kernel only)")
     args = _opcheck_samples(device)[op]
-    # group_plan's output sizes depend on the data: no static-shape tracing for it. routing's
+    # A bucketed plan's output sizes depend on the data: no static-shape tracing for it (an exact
+    # plan's depend on the input's shape only). routing's
     # first output is int64, and opcheck's AOT harness sums every output into a tensor of the
     # first output's dtype in place, which fails before our op is looked at.
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -693,7 +698,7 @@ def test_opcheck(compiled, device, op):
     # GEMMs read slot_rows' values in Python: no tracing with fake tensors; gradcheck covers them.
     if op not in ("group_plan", "routing", "scatter_mm_backward", "gather_mm_act", "decode_experts"):
         utils = utils + ("test_aot_dispatch_dynamic",)
-    torch.library.opcheck(getattr(torch.ops.minagi, op), args, test_utils=utils)
+    torch.library.opcheck(getattr(torch.ops.minagi, name), args, test_utils=utils)
 
 
 def test_opcheck_without_gates(compiled, device):
@@ -744,7 +749,7 @@ def test_bad_inputs_name_the_argument(compiled):
         compiled.routing(torch.randn(3), 1)
     with pytest.raises(RuntimeError, match="logits must be float32"):
         compiled.routing(torch.ones(3, 4, dtype=torch.long), 1)
-    with pytest.raises(RuntimeError, match="slot_idx holds 9"):
+    with pytest.raises(ValueError, match="slot_idx holds 9, outside \\[0, S = 4\\)"):
         compiled.group_plan(torch.tensor([[0, 9]]), 4, 0, True)
     with pytest.raises(RuntimeError, match="slot_idx must be int64"):
         compiled.group_plan(idx.int(), 4, 0, True)
@@ -755,12 +760,12 @@ def test_bad_inputs_name_the_argument(compiled):
         compiled.bucketed_gather(torch.randn(2, 3), row_pair, dest, None)
     with pytest.raises(RuntimeError, match="gates .* must have the dtype"):
         compiled.weighted_scatter(torch.randn(2, 3), dest, row_pair, torch.ones(1, 2, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match="slot_rows sums to 2 rows but the input has 3"):
-        compiled.grouped_mm(torch.randn(3, 4), torch.randn(4, 4, 5), order, rows)
+    with pytest.raises(RuntimeError, match="slot_rows sums to 2 rows but the input has only 1 rows"):
+        compiled.grouped_mm(torch.randn(1, 4), torch.randn(4, 4, 5), order, rows)
     with pytest.raises(RuntimeError, match="b .* must have the dtype of a"):
         compiled.grouped_mm(torch.randn(2, 4), torch.randn(4, 4, 5, dtype=torch.float64), order, rows)
     with pytest.raises(RuntimeError, match="lists slot 0 twice"):
-        compiled.grouped_mm_wgrad(torch.randn(2, 4), torch.randn(2, 5), torch.tensor([0, 0]), rows, 4)
+        compiled.grouped_mm_wgrad(torch.randn(2, 4), torch.randn(2, 5), torch.tensor([0, 0]), torch.tensor([1, 1]), 4)
 
 
 @requires_ext

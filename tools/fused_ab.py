@@ -2,9 +2,9 @@
 floor; interleaved rounds in one process, the median kept; and each one's peak memory (bench hf's
 count). Two switches:
 
-- backward: minagi::scatter_mm_backward, the second layer's backward (dispatch.FUSED_TILE_BYTES 1 MiB,
+- backward: minagi::scatter_mm_backward, the second layer's backward (tile_bytes("fused"), 1 MiB,
   the default, against 0: the unfused ops), timed forward+backward;
-- forward: minagi::gather_mm_act, inference's first layer in tiles (dispatch.GATHER_TILE_BYTES 2 MiB,
+- forward: minagi::gather_mm_act, inference's first layer in tiles (tile_bytes("gather"), 2 MiB,
   the default, against 0: bucketed_gather and grouped_mm_act), timed forward without gradients.
 
     [MINAGI_ALLOCATOR=keep] python tools/fused_ab.py backward|forward BLOCKS TOKENS ROUNDS
@@ -17,15 +17,16 @@ import sys
 
 import torch
 
-from minagi import allocator, dispatch, hf
+from minagi import allocator, hf
 from minagi.bench import hf as bench
 
-SWITCHES = {"backward": ("FUSED_TILE_BYTES", True), "forward": ("GATHER_TILE_BYTES", False)}
+# Each fused CPU kernel's tile size (torch.ops.minagi.tile_bytes); 0 sends it down its unfused path.
+SWITCHES = {"backward": ("fused", True), "forward": ("gather", False)}
 
 
 def main(switch: str, blocks: list[str], T: int, rounds: int) -> None:
     knob, train = SWITCHES[switch]
-    on = getattr(dispatch, knob)
+    on = torch.ops.minagi.tile_bytes(knob)
     call = "fwd+bwd" if train else "fwd"
     for name in blocks:
         experts, cfg = bench._block(name, torch.float32)
@@ -34,16 +35,16 @@ def main(switch: str, blocks: list[str], T: int, rounds: int) -> None:
         for r in range(rounds + 1):  # round 0 warms up
             order = ["fused", "unfused", "floor"] if r % 2 == 0 else ["floor", "unfused", "fused"]
             for mode in order:
-                setattr(dispatch, knob, on if mode == "fused" else 0)
+                torch.ops.minagi.tile_bytes(knob, on if mode == "fused" else 0)
                 ms = bench._timed(experts, bench.FLOOR if mode == "floor" else "minagi", args, train)
                 if r:
                     res[mode].append(ms)
         med = {k: statistics.median(v) for k, v in res.items()}
         peaks = {}
         for mode in ("fused", "unfused"):
-            setattr(dispatch, knob, on if mode == "fused" else 0)
+            torch.ops.minagi.tile_bytes(knob, on if mode == "fused" else 0)
             peaks[mode] = bench._peak_bytes(experts, "minagi", args, train) / 2**20
-        setattr(dispatch, knob, on)
+        torch.ops.minagi.tile_bytes(knob, on)
         print(f"{name} T={T} {call} ms: fused {med['fused']:.1f}  unfused {med['unfused']:.1f}  floor "
               f"{med['floor']:.1f}  | fused/floor {med['fused'] / med['floor']:.2f}  unfused/floor "
               f"{med['unfused'] / med['floor']:.2f}  fused/unfused {med['fused'] / med['unfused']:.3f}  | peak MiB "

@@ -27,6 +27,15 @@
 #include "swiglu_avx512.h"
 
 namespace minagi {
+
+// The fused kernels' tile sizes, read at each call (tile_bytes in csrc/ops.cpp reads and sets
+// them: tests force the unfused paths with 0).
+//   kGatherTile: gather_mm_act keeps a chunk's gathered rows and their h in a thread's tile, small
+//     enough to stay in cache between the copy and the GEMM; a slot whose rows pass it is
+//     gathered whole and multiplied by one GEMM.
+//   kFusedTile: scatter_mm_backward keeps one slot's rows of the output gradient in a tile.
+std::atomic<int64_t> g_tile_bytes[kTiles] = {int64_t{2} << 20, int64_t{1} << 20};
+
 namespace {
 
 // Validates slot_ids / slot_rows against a [E, ...] and returns each range's first row.
@@ -59,9 +68,14 @@ std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& 
     }
     start[i + 1] = start[i] + rp[i];
   }
-  TORCH_CHECK(start[A] == E, "minagi.", op, ": slot_rows sums to ", start[A],
-              " rows but ", rows_of, " has ", E, " rows");
+  TORCH_CHECK(start[A] <= E, "minagi.", op, ": slot_rows sums to ", start[A],
+              " rows but ", rows_of, " has only ", E, " rows");
   return start;
+}
+
+// Rows from r0 on own no slot (an exact plan's dropped pairs): their outputs are zeros.
+void zero_tail(at::Tensor& t, int64_t r0) {
+  if (r0 < t.size(0)) t.narrow(0, r0, t.size(0) - r0).zero_();
 }
 
 // Work split for the per-slot GEMMs. Each slot's range is one GEMM on one thread (the BLAS runs
@@ -405,6 +419,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& b, const at:
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), b.size(0), "grouped_mm", false);
   at::Tensor out = empty_output({a.size(0), b.size(2)}, a.options());
   grouped_mm_into(a, b, at::Tensor(), slot_ids, start, out, [](int64_t, int64_t) {});
+  zero_tail(out, start.back());
   return out;
 }
 
@@ -739,6 +754,8 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cpu(const at::Tensor& a_in, co
                             out.data_ptr<scalar_t>() + r0 * (M / 2), M / 2, nr, M / 2);
     });
   });
+  zero_tail(h, start.back());
+  zero_tail(out, start.back());
   return {h, out};
 }
 
@@ -806,6 +823,7 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& gra
   at::Tensor gh = empty_output({E, M}, h.options());
   if (!bias_grad) {  // elementwise over every row: ATen shares it out over the threads
     act_backward(act, grad, h, gh, alpha, limit);
+    zero_tail(gh, start.back());
     return {gh, at::empty({0}, h.options())};
   }
   // Each slot's rows on one thread: its bias gradient is a sum in a fixed order.
@@ -823,6 +841,7 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& gra
       at::sum_out(g, rows, {0});
     }
   });
+  zero_tail(gh, start.back());
   return {gh, gb};
 }
 
@@ -896,6 +915,45 @@ void gate_rows(scalar_t* g, const scalar_t* a, scalar_t* tile, const int64_t* ro
   }
 }
 
+// The fused backward below keeps one slot's rows of the output gradient in a thread's tile: worth
+// it while a tile stays in cache and no slot holds more than a thread's share of the rows (it
+// gives each slot to one thread, where the unfused GEMMs split a sink slot across threads).
+bool fuses_scatter_backward(const std::vector<int64_t>& start, int64_t row_bytes) {
+  int64_t busiest = 0;
+  for (size_t i = 0; i + 1 < start.size(); ++i) busiest = std::max(busiest, start[i + 1] - start[i]);
+  return busiest > 0 && busiest * row_bytes <= g_tile_bytes[kFusedTile].load() &&
+         busiest * at::get_num_threads() <= start.back();
+}
+
+// scatter_mm_backward as whole-buffer passes: each row's character's grad_y gathered into [E, D],
+// grad_y b^T by grouped_mm (a sink slot split over threads), the gates' gradient and the gate
+// scaling row by row, then the weight gradient by grouped_mm_wgrad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_unfused(
+    const at::Tensor& grad_y, const at::Tensor& a, const at::Tensor& b, const at::Tensor& gates,
+    const at::Tensor& slot_ids, const at::Tensor& slot_rows, const at::Tensor& row_pair, at::Tensor& grad_g,
+    int64_t b_grad) {
+  const int64_t E = a.size(0), I = a.size(1), D = b.size(2), k = grad_g.size(1);
+  at::Tensor dy = empty_output({E, D}, a.options());
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_scatter_mm_backward_gather", [&] {
+    at::parallel_for(0, E, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+      gather_pair_rows(dy.data_ptr<scalar_t>() + r0 * D, grad_y.data_ptr<scalar_t>(), row_pair.data_ptr<int64_t>() + r0,
+                       r1 - r0, k, D);
+    });
+  });
+  at::Tensor grad_a = grouped_mm_cpu(dy, b.transpose(1, 2), slot_ids, slot_rows);
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_scatter_mm_backward_rows", [&] {
+    at::parallel_for(0, E, std::max<int64_t>(1, 4096 / std::max<int64_t>(I + D, 1)), [&](int64_t r0, int64_t r1) {
+      gate_rows<scalar_t>(grad_a.data_ptr<scalar_t>() + r0 * I, a.data_ptr<scalar_t>() + r0 * I,
+                          b_grad ? dy.data_ptr<scalar_t>() + r0 * D : nullptr, row_pair.data_ptr<int64_t>() + r0,
+                          gates.data_ptr<scalar_t>(), grad_g.data_ptr<scalar_t>(), r1 - r0, I, D);
+    });
+  });
+  at::Tensor grad_b = at::empty({0}, a.options());
+  if (b_grad == 1) grad_b = grouped_mm_wgrad_cpu(a, dy, slot_ids, slot_rows, b.size(0));
+  if (b_grad == 2) grad_b = grouped_mm_wgrad_cpu(dy, a, slot_ids, slot_rows, b.size(0));
+  return {grad_a, grad_b, grad_g};
+}
+
 // The gradients of y = weighted_scatter(grouped_mm(a, b), dest, row_pair, gates) with respect to a,
 // b and the gates, one slot's rows at a time on one thread. A row's output gradient (its
 // character's grad_y, times its gate) is the gathered operand of both of the slot's GEMMs; here it
@@ -915,8 +973,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
   const int64_t E = a.size(0), I = a.size(1), S = b.size(0), D = b.size(2), N = dest.size(0), k = dest.size(1);
   check_range_cpu(row_pair, -1, N * k, op, "row_pair");
   const auto start = range_starts(slot_ids, slot_rows, E, S, op, true);
-  at::Tensor grad_a = empty_output({E, I}, a.options());
   at::Tensor grad_g = at::zeros({N, k}, a.options());  // dropped pairs own no row: their gradient is 0
+  if (!fuses_scatter_backward(start, D * a.element_size())) {
+    return scatter_mm_backward_unfused(grad_y, a, b, gates, slot_ids, slot_rows, row_pair, grad_g, b_grad);
+  }
+  at::Tensor grad_a = empty_output({E, I}, a.options());
   const std::vector<int64_t> b_shape = b_grad == 2 ? std::vector<int64_t>{S, D, I} : std::vector<int64_t>{S, I, D};
   at::Tensor grad_b = b_grad ? empty_output(b_shape, a.options()) : at::empty({0}, a.options());
   const bool stream = grad_b.nbytes() >= kStreamBytes;
@@ -962,11 +1023,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_cpu(
       }
     });
   });
+  zero_tail(grad_a, start.back());
   return {grad_a, grad_b, grad_g};
 }
 
-// A chunk's gathered rows and their h: small enough to stay in cache between the copy and the GEMM.
-constexpr int64_t kGatherTileBytes = int64_t{2} << 20;  // dispatch.GATHER_TILE_BYTES
+at::Tensor grouped_mm_scatter_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gates,
+                                  const at::Tensor& slot_ids, const at::Tensor& slot_rows, const at::Tensor& row_pair,
+                                  const at::Tensor& dest) {
+  static const auto scatter = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("minagi::weighted_scatter", "")
+                                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const c10::optional<at::Tensor>&)>();
+  return scatter.call(grouped_mm_cpu(a, b, slot_ids, slot_rows), dest, row_pair, gates);
+}
+
 
 // The activation of grouped_mm_act(bucketed_gather(x, row_pair, dest), b, bias, ...) without its
 // two [E, ...] buffers: each row's character's x (zeros for a padding row) is copied into the
@@ -984,10 +1054,25 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
   const int64_t E = row_pair.size(0), D = x.size(1), M = b.size(2), k = dest.size(1);
   check_range_cpu(row_pair, -1, x.size(0) * k, op, "row_pair");
   const auto start = range_starts(slot_ids, slot_rows, E, b.size(0), op, false, "row_pair");
+  int64_t busiest = 0;
+  for (size_t i = 0; i + 1 < start.size(); ++i) busiest = std::max(busiest, start[i + 1] - start[i]);
+  const int64_t tile_bytes = g_tile_bytes[kGatherTile].load();
+  if (busiest * (D + M) * x.element_size() > tile_bytes) {
+    // A slot too large for a tile (hundreds of rows of a wide layer): one GEMM over its rows,
+    // gathered first, as grouped_mm_act multiplies them.
+    at::Tensor buf = empty_output({E, D}, x.options());
+    MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_rows", [&] {
+      const int64_t* rp = row_pair.data_ptr<int64_t>();
+      at::parallel_for(0, E, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t b0, int64_t e0) {
+        gather_pair_rows(buf.data_ptr<scalar_t>() + b0 * D, x.data_ptr<scalar_t>(), rp + b0, e0 - b0, k, D);
+      });
+    });
+    return std::get<1>(grouped_mm_act_cpu(buf, b, bias_in, slot_ids, slot_rows, activation, alpha, limit));
+  }
   at::Tensor out = empty_output({E, act_gated(act) ? M / 2 : M}, x.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(8, kGatherTileBytes / std::max<int64_t>(1, (D + M) * x.element_size()));
+  const int64_t chunk = std::max<int64_t>(8, tile_bytes / std::max<int64_t>(1, (D + M) * x.element_size()));
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_mm_act", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t* rp = row_pair.data_ptr<int64_t>();
@@ -1004,6 +1089,7 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
       }
     });
   });
+  zero_tail(out, start.back());
   return out;
 }
 
@@ -1060,7 +1146,7 @@ at::Tensor decode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx
                                             std::string(activation));
   const at::Tensor idx = slot_idx_in.contiguous(), gates = gates_in.contiguous();
   const int64_t N = x.size(0), D = x.size(1), K = idx.size(1), E = N * K, M = w_in.size(2);
-  check_range_cpu(idx, 0, w_in.size(0), "decode_experts", "slot_idx");
+  check_slot_ids_cpu(idx, w_in.size(0));
   const int64_t* ip = idx.data_ptr<int64_t>();
   std::vector<int64_t> pair(E);  // buffer row -> its pair, sorted by slot
   std::iota(pair.begin(), pair.end(), int64_t{0});
@@ -1106,6 +1192,7 @@ TORCH_LIBRARY_IMPL(minagi, CPU, m) {
   m.impl("grouped_mm_act", &grouped_mm_act_cpu);
   m.impl("expert_act_backward", &expert_act_backward_cpu);
   m.impl("scatter_mm_backward", &scatter_mm_backward_cpu);
+  m.impl("grouped_mm_scatter", &grouped_mm_scatter_cpu);
   m.impl("gather_mm_act", &gather_mm_act_cpu);
   m.impl("decode_experts", &decode_experts_cpu);
 }

@@ -20,37 +20,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   const auto lopt = idx.options();
 
   std::vector<int64_t> count(n_slots, 0);
+  if (!skip_invalid) check_slot_ids_cpu(idx, n_slots);
   for (int64_t i = 0; i < R; ++i) {
     const int64_t s = ip[i];
-    if (skip_invalid && (s < 0 || s >= n_slots)) continue;
-    TORCH_CHECK(s >= 0 && s < n_slots, "minagi.group_plan: slot_idx holds ", s, " at character ",
-                i / k, ", position ", i % k, ", outside [0, n_slots=", n_slots,
-                ") (ids of experts held elsewhere: out_of_range_slots=\"skip\" drops them)");
-    ++count[s];
+    if (s >= 0 && s < n_slots) ++count[s];  // out of range: skipped (checked above unless skip_invalid)
   }
   at::Tensor load = at::empty({n_slots}, lopt);
   int64_t* lp = load.data_ptr<int64_t>();
-  std::vector<int64_t> active;
+  std::vector<int64_t> listed;  // the plan's slots, in plan order
   for (int64_t s = 0; s < n_slots; ++s) {
     lp[s] = capacity > 0 ? std::min(count[s], capacity) : count[s];
-    if (lp[s] > 0) active.push_back(s);
+    if (lp[s] > 0 || !bucketed) listed.push_back(s);
   }
-  // Sorted by load, so equal buckets are neighbours and each group is one run of slot_rows.
-  std::stable_sort(active.begin(), active.end(),
-                   [&](int64_t a, int64_t b) { return lp[a] < lp[b]; });
-  const int64_t A = static_cast<int64_t>(active.size());
+  // Bucketed: the active slots sorted by load, so equal buckets are neighbours and each group is
+  // one run of slot_rows. Exact: every slot in id order, so every size depends on the input's
+  // shape only (torch.compile, CUDA graphs).
+  if (bucketed) {
+    std::stable_sort(listed.begin(), listed.end(), [&](int64_t a, int64_t b) { return lp[a] < lp[b]; });
+  }
+  const int64_t A = static_cast<int64_t>(listed.size());
   at::Tensor slot_order = at::empty({A}, lopt);
   at::Tensor slot_rows = at::empty({A}, lopt);
   std::vector<int64_t> start(n_slots, -1);
   int64_t E = 0;
   for (int64_t a = 0; a < A; ++a) {
-    const int64_t s = active[a];
+    const int64_t s = listed[a];
     const int64_t rows = bucketed ? bucket(lp[s]) : lp[s];
     slot_order.data_ptr<int64_t>()[a] = s;
     slot_rows.data_ptr<int64_t>()[a] = rows;
     start[s] = E;
     E += rows;
   }
+  if (!bucketed) E = R;  // dropped pairs' rows are padding at the end
   at::Tensor row_pair = at::full({E}, -1, lopt);
   at::Tensor dest = at::full({N, k}, -1, lopt);
   int64_t* rp = row_pair.data_ptr<int64_t>();

@@ -29,7 +29,7 @@ std::pair<at::Tensor, at::Tensor> ranges(const at::Tensor& slot_rows, const at::
     row0[i] = r;
     r += rows.data_ptr<int64_t>()[i];
   }
-  TORCH_CHECK(r == E, "minagi.", op, ": slot_rows sums to ", r, " rows but h has ", E);
+  TORCH_CHECK(r <= E, "minagi.", op, ": slot_rows sums to ", r, " rows but h has only ", E);
   const auto lopt = at::TensorOptions().dtype(at::kLong);
   return {at::tensor(row0, lopt).to(device), rows.to(device)};
 }
@@ -47,8 +47,12 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cuda(const at::Tensor& a, cons
   if (E * W == 0) return {h, out};
   at::Tensor bias, row_slot;
   if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
-    row_slot = at::repeat_interleave(slot_ids.to(a.device()), slot_rows.to(a.device()), 0, E);
+    // Rows past the listed ranges (an exact plan's dropped pairs) take a zero row past the last slot.
+    const int64_t S = bias_in->size(0), listed = slot_rows.to(at::kCPU).sum().item<int64_t>();
+    bias = at::cat({*bias_in, at::zeros({1, M}, bias_in->options())});
+    row_slot = at::full({E}, S, slot_ids.options().device(a.device()));
+    row_slot.narrow(0, 0, listed).copy_(
+        at::repeat_interleave(slot_ids.to(a.device()), slot_rows.to(a.device()), 0, listed));
   }
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm_act_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;

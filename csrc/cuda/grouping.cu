@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
   const int64_t A = meta_host.data_ptr<int64_t>()[0], E = meta_host.data_ptr<int64_t>()[1];
   at::Tensor slot_rows = meta_host.narrow(0, 2, A).clone();
   at::Tensor slot_order = gpu::plain_rows(order_buf, A);
-  at::Tensor row_pair = gpu::bucketed_empty(E, {}, lopt).fill_(-1);
+  at::Tensor row_pair = gpu::bucketed_empty(bucketed ? E : R, {}, lopt).fill_(-1);
   at::Tensor dest = at::empty({N, k}, lopt);
   if (R > 0) {
     gpu::fill_kernel<<<n_chunks, gpu::kChunk, 0, stream>>>(idx.data_ptr<int64_t>(), R, S, n_chunks, chunk_count.data_ptr<int>(),

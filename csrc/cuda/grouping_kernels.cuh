@@ -2,7 +2,8 @@
 // stable counting sort in chunks of kChunk pairs:
 //   1. chunk_hist: per chunk, pairs per slot (shared-memory integer atomics: exact counts);
 //   2. slot_scan:  per slot, the pairs of earlier chunks (so ranks stay in character order);
-//   3. plan:       one block: load (capped), slots sorted by load, their rows, their starts;
+//   3. plan:       one block: load (capped), slots sorted by load (bucketed) or all in id order
+//                  (exact), their rows, their starts;
 //   4. fill:       each pair's rank = its slot's earlier-chunk count + same-slot pairs before it
 //                  in its chunk; kept pairs get their buffer row.
 // Launched from grouping.cu; run on the CPU by the emulator test (tests/emu/).
@@ -51,7 +52,8 @@ __global__ void slot_scan_kernel(int* __restrict__ chunk_count, int S, int64_t n
   total[s] = run;
 }
 
-// One block. meta = [A, E, rows of the A active slots in plan order].
+// One block. meta = [A, E, rows of the A listed slots in plan order] (E: the listed rows; an
+// exact plan's buffer has a row per pair, its dropped pairs' rows at the end).
 __global__ void plan_kernel(const int64_t* __restrict__ total, int S, int64_t capacity, bool bucketed,
                             int64_t* __restrict__ load, int64_t* __restrict__ slot_order,
                             int64_t* __restrict__ start, int64_t* __restrict__ meta) {
@@ -65,17 +67,19 @@ __global__ void plan_kernel(const int64_t* __restrict__ total, int S, int64_t ca
   __syncthreads();
   // Plan position of an active slot: active slots with a smaller load, or an equal load and a
   // lower slot, come first (the CPU's stable sort by load).
+  // An exact plan lists every slot in id order (sizes from the input's shape only).
   for (int s = threadIdx.x; s < S; s += blockDim.x) {
     const int64_t l = load_sh[s];
-    if (l == 0) {
+    if (l == 0 && bucketed) {
       start[s] = -1;
       continue;
     }
     int64_t pos = 0;
-    for (int o = 0; o < S; ++o) {
+    for (int o = 0; o < S && bucketed; ++o) {
       const int64_t lo = load_sh[o];
       pos += lo > 0 && (lo < l || (lo == l && o < s));
     }
+    if (!bucketed) pos = s;
     slot_order[pos] = s;
     rows_sh[pos] = bucketed ? bucket(l) : l;
     start[s] = pos;  // for now the position; the row start below
@@ -83,7 +87,7 @@ __global__ void plan_kernel(const int64_t* __restrict__ total, int S, int64_t ca
   __syncthreads();
   if (threadIdx.x == 0) {
     int64_t A = 0;
-    for (int s = 0; s < S; ++s) A += load_sh[s] > 0;
+    for (int s = 0; s < S; ++s) A += load_sh[s] > 0 || !bucketed;
     int64_t E = 0;
     for (int64_t a = 0; a < A; ++a) {
       meta[2 + a] = rows_sh[a];

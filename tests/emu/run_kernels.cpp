@@ -136,7 +136,7 @@ void run_group_plan(const Case& c) {
   const int64_t A = meta[0], E = meta[1];
   if (A < 0 || A > S || E < 0) throw std::runtime_error("plan_kernel wrote A=" + std::to_string(A) + ", E=" +
                                                         std::to_string(E));
-  std::vector<int64_t> row_pair(E, -1);
+  std::vector<int64_t> row_pair(bucketed ? E : R, -1);  // an exact plan: a row per pair (grouping.cu)
   auto dest = empty<int64_t>(R);
   if (R > 0) {
     launch(fill_kernel, dim3(n_chunks), dim3(kChunk), 0, idx.data(), R, S, n_chunks, chunk_count.data(), load.data(),

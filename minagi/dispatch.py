@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import ops as _ops
 from . import reference

@@ -2,8 +2,6 @@
 // and says what was expected, so a user sees the fix rather than a stack trace.
 #pragma once
 
-#include <atomic>
-
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -119,10 +117,6 @@ inline void check_routing_backward_args(const at::Tensor& grad_gates, const at::
   TORCH_CHECK(n_slots >= 1, "minagi.routing_backward: n_slots must be >= 1, got ", n_slots);
   debug_check_range(slot_idx, 0, n_slots, op, "slot_idx");
 }
-
-// The fused CPU kernels' tile sizes in bytes (csrc/cpu/grouped_gemm.cpp), by index.
-enum TileKind : int { kGatherTile = 0, kFusedTile = 1, kTiles = 2 };
-extern std::atomic<int64_t> g_tile_bytes[kTiles];
 
 // The fix named where a slot id is out of range (the plan, the decode op): ids of experts held
 // on another rank are what expert parallelism passes.

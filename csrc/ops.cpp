@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <string>
 #include <vector>
 
@@ -24,22 +23,12 @@ PyObject* PyInit__C(void) {
 
 namespace minagi {
 std::vector<int64_t> cpu_block_cache(int64_t max_idle_bytes);  // csrc/cpu/block_cache.cpp
-extern std::atomic<int64_t> g_tile_bytes[2];                     // csrc/cpu/grouped_gemm.cpp
+int64_t tile_bytes(c10::string_view name, int64_t value);        // csrc/cpu/grouped_gemm.cpp
 }  // namespace minagi
 
 namespace {
 // How this extension was built, for `python -m minagi doctor`: a build without OpenMP would run
 // every at::parallel_for on one thread without saying so.
-// A fused CPU kernel's tile size in bytes: "gather" (gather_mm_act) or "fused" (scatter_mm_backward).
-// value >= 0 sets it; the value before is returned.
-int64_t tile_bytes(c10::string_view name, int64_t value) {
-  const int i = name == "gather" ? 0 : name == "fused" ? 1 : -1;
-  TORCH_CHECK_VALUE(i >= 0, "minagi.tile_bytes: name must be 'gather' or 'fused', got '", std::string(name), "'");
-  const int64_t before = minagi::g_tile_bytes[i].load();
-  if (value >= 0) minagi::g_tile_bytes[i].store(value);
-  return before;
-}
-
 std::string build_info() {
   std::string info;
 #ifdef _OPENMP
@@ -70,7 +59,7 @@ TORCH_LIBRARY(minagi, m) {
   // Not a computation: a fused CPU kernel's tile size ("gather": gather_mm_act, "fused":
   // scatter_mm_backward); value >= 0 sets it. Returns the size before. Past its tile a kernel takes
   // its unfused path (the same results), so these are speed knobs, and tests force both paths.
-  m.def("tile_bytes(str name, int value=-1) -> int", &tile_bytes);
+  m.def("tile_bytes(str name, int value=-1) -> int", &minagi::tile_bytes);
   // logits [N, S] -> slot_idx [N, k] int64 (best first, ties to the lower slot, NaN ranks as
   // -inf), gates [N, k] = softmax over the k chosen logits, load [S] int64 (pairs per slot).
   m.def("routing(Tensor logits, int top_k) -> (Tensor slot_idx, Tensor gates, Tensor load)");

@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ops as _ops
 from . import reference
 from .reference import ACTIVATIONS, GATED
 from .reference import bucket as _bucket  # noqa: F401  (the seed's name for it)
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 PATHS = ("auto", "rectangle", "grouped", "compiled")
 OUT_OF_RANGE = ("error", "skip")
@@ -556,7 +556,7 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
         else:
             y, kept, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed, form, b_in, skip,
                                        post_pair)
-            executed = rows_A.sum()
+            executed = rows_A.sum  # read only if the statistics are
     if b_out is not None and post is None:
         y = _add_out_bias(y, b_out, slot_idx, gates, kept)
     if not return_stats:

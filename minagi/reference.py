@@ -42,30 +42,27 @@ def activate(h, activation: str, alpha: float = 1.702, limit: float = 7.0):
     raise ValueError(f"unknown activation {activation!r}; the forms are {', '.join(ACTIVATIONS)}")
 
 
-def row_slots(slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor) -> torch.Tensor:
-    """The slot of every row of a plan's listed ranges, [sum(slot_rows)]."""
-    return torch.repeat_interleave(slot_ids_A, slot_rows_A.to(slot_ids_A.device))
+def _row_slots(slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor, n_rows: int, past: int) -> torch.Tensor:
+    """The slot of each of a plan buffer's n_rows rows, [n_rows]; the rows past the listed ranges
+    (an exact plan's dropped pairs) get the id `past`. Sized n_rows whatever the ranges hold, so it
+    traces with static shapes."""
+    rows_A = slot_rows_A.to(slot_ids_A.device)
+    ids = torch.cat([slot_ids_A, slot_ids_A.new_full((1,), past)])
+    counts = torch.cat([rows_A, (n_rows - rows_A.sum()).reshape(1)])
+    return torch.repeat_interleave(ids, counts, output_size=n_rows)
 
 
 def per_row(table_SW: torch.Tensor, slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """table[slot of each row] for the n_rows rows of a plan's buffer, zeros for the rows past the
-    listed ranges (an exact plan's dropped pairs). Its size is n_rows whatever the ranges hold, so
-    it traces with static shapes."""
+    """table[slot of each row] for the n_rows rows of a plan's buffer, zeros past the ranges."""
     S = table_SW.shape[0]
-    rows_A = slot_rows_A.to(slot_ids_A.device)
-    ids = torch.cat([slot_ids_A, slot_ids_A.new_full((1,), S)])  # the padded zero row
-    counts = torch.cat([rows_A, (n_rows - rows_A.sum()).reshape(1)])
-    return F.pad(table_SW, (0, 0, 0, 1)).index_select(0, torch.repeat_interleave(ids, counts, output_size=n_rows))
+    return F.pad(table_SW, (0, 0, 0, 1)).index_select(0, _row_slots(slot_ids_A, slot_rows_A, n_rows, S))
 
 
 def slot_sums(rows_EW: torch.Tensor, slot_ids_A, slot_rows_A, n_slots: int) -> torch.Tensor:
     """Per slot, the sum of its rows of rows_EW, [n_slots, W] (zeros for slots with none; rows past
     the listed ranges count nowhere)."""
     E, W = rows_EW.shape
-    ids = torch.cat([slot_ids_A, slot_ids_A.new_full((1,), n_slots)])  # the rows past the ranges: a spare slot
-    rows_A = slot_rows_A.to(slot_ids_A.device)
-    counts = torch.cat([rows_A, (E - rows_A.sum()).reshape(1)])
-    slots_E = torch.repeat_interleave(ids, counts, output_size=E)
+    slots_E = _row_slots(slot_ids_A, slot_rows_A, E, n_slots)  # past the ranges: a spare slot
     return rows_EW.new_zeros(n_slots + 1, W).index_add(0, slots_E, rows_EW)[:n_slots]
 
 
@@ -119,6 +116,11 @@ def slot_ranks(flat_R: torch.Tensor, n_slots: int):
     return rank_R, count_S
 
 
+# csrc/common.h kSkipHint, the compiled ops' words
+SKIP_HINT = (" (ids of experts held elsewhere, as expert parallelism passes them: out_of_range_slots='skip' drops "
+             "those pairs)")
+
+
 def check_slot_ids(slot_idx_NK: torch.Tensor, n_slots: int) -> None:
     """Every id in [0, n_slots), in expert_mlp's words (the compiled plan's check): raised at once
     on the CPU in eager mode, a device assert elsewhere (nothing synchronises)."""
@@ -131,10 +133,6 @@ def check_slot_ids(slot_idx_NK: torch.Tensor, n_slots: int) -> None:
         return
     torch._assert_async(((slot_idx_NK >= 0) & (slot_idx_NK < n_slots)).all(),
                         f"expert_mlp: slot_idx holds an id outside [0, S = {n_slots}){SKIP_HINT}")
-
-
-SKIP_HINT = (" (ids of experts held elsewhere, as expert parallelism passes them: out_of_range_slots='skip' drops "
-             "those pairs)")
 
 
 def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed: bool, skip_invalid: bool = False):

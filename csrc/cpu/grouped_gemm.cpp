@@ -27,16 +27,16 @@
 #include "swiglu_avx512.h"
 
 namespace minagi {
+namespace {
 
-// The fused kernels' tile sizes, read at each call (tile_bytes in csrc/ops.cpp reads and sets
+// The fused kernels' tile sizes in bytes, read at each call (tile_bytes below reads and sets
 // them: tests force the unfused paths with 0).
-//   kGatherTile: gather_mm_act keeps a chunk's gathered rows and their h in a thread's tile, small
+//   gather: gather_mm_act keeps a chunk's gathered rows and their h in a thread's tile, small
 //     enough to stay in cache between the copy and the GEMM; a slot whose rows pass it is
 //     gathered whole and multiplied by one GEMM.
-//   kFusedTile: scatter_mm_backward keeps one slot's rows of the output gradient in a tile.
-std::atomic<int64_t> g_tile_bytes[kTiles] = {int64_t{2} << 20, int64_t{1} << 20};
-
-namespace {
+//   fused: scatter_mm_backward keeps one slot's rows of the output gradient in a tile.
+std::atomic<int64_t> g_gather_tile_bytes{int64_t{2} << 20};
+std::atomic<int64_t> g_fused_tile_bytes{int64_t{1} << 20};
 
 // Validates slot_ids / slot_rows against a [E, ...] and returns each range's first row.
 std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& slot_rows,
@@ -76,6 +76,13 @@ std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& 
 // Rows from r0 on own no slot (an exact plan's dropped pairs): their outputs are zeros.
 void zero_tail(at::Tensor& t, int64_t r0) {
   if (r0 < t.size(0)) t.narrow(0, r0, t.size(0) - r0).zero_();
+}
+
+// The most rows any listed range holds.
+int64_t busiest_range(const std::vector<int64_t>& start) {
+  int64_t busiest = 0;
+  for (size_t i = 0; i + 1 < start.size(); ++i) busiest = std::max(busiest, start[i + 1] - start[i]);
+  return busiest;
 }
 
 // Work split for the per-slot GEMMs. Each slot's range is one GEMM on one thread (the BLAS runs
@@ -919,10 +926,22 @@ void gate_rows(scalar_t* g, const scalar_t* a, scalar_t* tile, const int64_t* ro
 // it while a tile stays in cache and no slot holds more than a thread's share of the rows (it
 // gives each slot to one thread, where the unfused GEMMs split a sink slot across threads).
 bool fuses_scatter_backward(const std::vector<int64_t>& start, int64_t row_bytes) {
-  int64_t busiest = 0;
-  for (size_t i = 0; i + 1 < start.size(); ++i) busiest = std::max(busiest, start[i + 1] - start[i]);
-  return busiest > 0 && busiest * row_bytes <= g_tile_bytes[kFusedTile].load() &&
+  const int64_t busiest = busiest_range(start);
+  return busiest > 0 && busiest * row_bytes <= g_fused_tile_bytes.load() &&
          busiest * at::get_num_threads() <= start.back();
+}
+
+// [E, D]: for each row, the row of src [N, D] of its pair's character (zeros for padding).
+at::Tensor gathered_rows(const at::Tensor& src, const at::Tensor& row_pair, int64_t k) {
+  const int64_t E = row_pair.size(0), D = src.size(1);
+  at::Tensor out = empty_output({E, D}, src.options());
+  MINAGI_DISPATCH_FLOATING(src.scalar_type(), "minagi_gathered_rows", [&] {
+    at::parallel_for(0, E, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+      gather_pair_rows(out.data_ptr<scalar_t>() + r0 * D, src.data_ptr<scalar_t>(),
+                       row_pair.data_ptr<int64_t>() + r0, r1 - r0, k, D);
+    });
+  });
+  return out;
 }
 
 // scatter_mm_backward as whole-buffer passes: each row's character's grad_y gathered into [E, D],
@@ -932,14 +951,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_mm_backward_unfused(
     const at::Tensor& grad_y, const at::Tensor& a, const at::Tensor& b, const at::Tensor& gates,
     const at::Tensor& slot_ids, const at::Tensor& slot_rows, const at::Tensor& row_pair, at::Tensor& grad_g,
     int64_t b_grad) {
-  const int64_t E = a.size(0), I = a.size(1), D = b.size(2), k = grad_g.size(1);
-  at::Tensor dy = empty_output({E, D}, a.options());
-  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_scatter_mm_backward_gather", [&] {
-    at::parallel_for(0, E, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
-      gather_pair_rows(dy.data_ptr<scalar_t>() + r0 * D, grad_y.data_ptr<scalar_t>(), row_pair.data_ptr<int64_t>() + r0,
-                       r1 - r0, k, D);
-    });
-  });
+  const int64_t E = a.size(0), I = a.size(1), D = b.size(2);
+  at::Tensor dy = gathered_rows(grad_y, row_pair, grad_g.size(1));
   at::Tensor grad_a = grouped_mm_cpu(dy, b.transpose(1, 2), slot_ids, slot_rows);
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_scatter_mm_backward_rows", [&] {
     at::parallel_for(0, E, std::max<int64_t>(1, 4096 / std::max<int64_t>(I + D, 1)), [&](int64_t r0, int64_t r1) {
@@ -1037,7 +1050,6 @@ at::Tensor grouped_mm_scatter_cpu(const at::Tensor& a, const at::Tensor& b, cons
   return scatter.call(grouped_mm_cpu(a, b, slot_ids, slot_rows), dest, row_pair, gates);
 }
 
-
 // The activation of grouped_mm_act(bucketed_gather(x, row_pair, dest), b, bias, ...) without its
 // two [E, ...] buffers: each row's character's x (zeros for a padding row) is copied into the
 // thread's tile, multiplied there, and only the activation is written out. The unfused forward
@@ -1054,19 +1066,11 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
   const int64_t E = row_pair.size(0), D = x.size(1), M = b.size(2), k = dest.size(1);
   check_range_cpu(row_pair, -1, x.size(0) * k, op, "row_pair");
   const auto start = range_starts(slot_ids, slot_rows, E, b.size(0), op, false, "row_pair");
-  int64_t busiest = 0;
-  for (size_t i = 0; i + 1 < start.size(); ++i) busiest = std::max(busiest, start[i + 1] - start[i]);
-  const int64_t tile_bytes = g_tile_bytes[kGatherTile].load();
-  if (busiest * (D + M) * x.element_size() > tile_bytes) {
-    // A slot too large for a tile (hundreds of rows of a wide layer): one GEMM over its rows,
-    // gathered first, as grouped_mm_act multiplies them.
-    at::Tensor buf = empty_output({E, D}, x.options());
-    MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_rows", [&] {
-      const int64_t* rp = row_pair.data_ptr<int64_t>();
-      at::parallel_for(0, E, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t b0, int64_t e0) {
-        gather_pair_rows(buf.data_ptr<scalar_t>() + b0 * D, x.data_ptr<scalar_t>(), rp + b0, e0 - b0, k, D);
-      });
-    });
+  const int64_t tile_bytes = g_gather_tile_bytes.load();
+  if (busiest_range(start) * (D + M) * x.element_size() > tile_bytes) {
+    // A slot too large for a tile (hundreds of rows of a wide layer): its rows gathered whole and
+    // multiplied by one GEMM, as grouped_mm_act does.
+    const at::Tensor buf = gathered_rows(x, row_pair, k);
     return std::get<1>(grouped_mm_act_cpu(buf, b, bias_in, slot_ids, slot_rows, activation, alpha, limit));
   }
   at::Tensor out = empty_output({E, act_gated(act) ? M / 2 : M}, x.options());
@@ -1185,6 +1189,15 @@ at::Tensor decode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx
 }
 
 }  // namespace
+
+// torch.ops.minagi.tile_bytes (csrc/ops.cpp): a fused kernel's tile size, "gather" or "fused";
+// value >= 0 sets it. Returns the size before.
+int64_t tile_bytes(c10::string_view name, int64_t value) {
+  std::atomic<int64_t>* size = name == "gather" ? &g_gather_tile_bytes : name == "fused" ? &g_fused_tile_bytes : nullptr;
+  TORCH_CHECK_VALUE(size != nullptr, "minagi.tile_bytes: name must be 'gather' or 'fused', got '", std::string(name),
+                    "'");
+  return value >= 0 ? size->exchange(value) : size->load();
+}
 
 TORCH_LIBRARY_IMPL(minagi, CPU, m) {
   m.impl("grouped_mm", &grouped_mm_cpu);

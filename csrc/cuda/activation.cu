@@ -47,12 +47,16 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cuda(const at::Tensor& a, cons
   if (E * W == 0) return {h, out};
   at::Tensor bias, row_slot;
   if (bias_in.has_value()) {
-    // Rows past the listed ranges (an exact plan's dropped pairs) take a zero row past the last slot.
-    const int64_t S = bias_in->size(0), listed = slot_rows.to(at::kCPU).sum().item<int64_t>();
-    bias = at::cat({*bias_in, at::zeros({1, M}, bias_in->options())});
-    row_slot = at::full({E}, S, slot_ids.options().device(a.device()));
-    row_slot.narrow(0, 0, listed).copy_(
-        at::repeat_interleave(slot_ids.to(a.device()), slot_rows.to(a.device()), 0, listed));
+    const at::Tensor ids = slot_ids.to(a.device()), rows = slot_rows.to(a.device());
+    const int64_t listed = slot_rows.to(at::kCPU).sum().item<int64_t>();  // slot_rows is on the host
+    if (listed == E) {
+      bias = bias_in->contiguous();
+      row_slot = at::repeat_interleave(ids, rows, 0, E);
+    } else {  // rows past the listed ranges (an exact plan's dropped pairs) take a zero row past the last slot
+      bias = at::cat({*bias_in, at::zeros({1, M}, bias_in->options())});
+      row_slot = at::full({E}, bias_in->size(0), ids.options());
+      row_slot.narrow(0, 0, listed).copy_(at::repeat_interleave(ids, rows, 0, listed));
+    }
   }
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm_act_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -77,6 +77,9 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch CPU threads; 0 = every core (under torchrun: the cores / the ranks on this machine)
+    # torch.compile the model for training's forward and backward (docs/training.md, "Compiled
+    # training"); held-out scoring and writing stay eager.
+    compile: bool = False
     # Micro-batches per optimizer step: the gradients of grad_accum batches are averaged into one
     # step (under torchrun, synchronised across ranks on the last only). The global batch is
     # batch x grad_accum x the ranks.

@@ -370,6 +370,14 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
 DECODE_MAX_CHARS = 4
 
 
+def _below_autograd(wants_grad: bool):
+    """Without a gradient, the ops straight to their kernels, past the Python autograd wrapper
+    that registered ops pass through; under torch.compile the graph has no such wrapper."""
+    if wants_grad or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch._C._AutoDispatchBelowAutograd()
+
+
 def _wants_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -543,14 +551,14 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
             torch.is_grad_enabled() and (form.fn is not None or post is not None))
         decode = _use_decode(N, cap, wants_grad, skip)
         if decode and _fuses_decode(ops, x, form, valid, post, wants_grad):
-            with torch._C._AutoDispatchBelowAutograd():
+            with _below_autograd(False):
                 y = ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
             b_out = None  # added inside, per pair
             kept, executed = valid, N * K
         elif decode and (x.device.type != "cpu" or ops is _ops.REFERENCE):
             # Writing wants no gradient: the ops then run straight to their kernels, skipping the
             # Python autograd wrapper that registered ops pass through.
-            with contextlib.nullcontext() if wants_grad else torch._C._AutoDispatchBelowAutograd():
+            with _below_autograd(wants_grad):
                 y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out, form, b_in, valid, post_pair)
             kept, executed = valid, N * K  # nothing dropped but the skipped, nothing padded
         else:

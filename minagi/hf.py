@@ -139,7 +139,21 @@ def _plain_activation(act) -> str | None:
     return None
 
 
-@functools.cache
+_FOUND: dict = {}
+
+
+def _found_once(fn):
+    """fn() the first time, its result after: a plain dict, which torch.compile reads as it is
+    (it warns at functools' caches, which it traces through)."""
+    def once():
+        if fn not in _FOUND:
+            _FOUND[fn] = fn()
+        return _FOUND[fn]
+    once.__doc__ = fn.__doc__
+    return once
+
+
+@_found_once
 def _activations():
     """transformers.activations, found once: every decode call asks which form its act_fn is."""
     from transformers import activations
@@ -147,14 +161,14 @@ def _activations():
     return activations
 
 
-@functools.cache
+@_found_once
 def _default_gate():
     from transformers.integrations.moe import _default_apply_gate
 
     return _default_apply_gate
 
 
-@functools.cache
+@_found_once
 def _gpt_oss_gate():
     try:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -163,7 +177,7 @@ def _gpt_oss_gate():
     return GptOssExperts._apply_gate
 
 
-@functools.cache
+@_found_once
 def _decorator_flags() -> tuple[str, ...]:
     """The flags of the installed transformers' @use_experts_implementation."""
     from transformers.integrations.moe import use_experts_implementation

@@ -210,6 +210,8 @@ def _build_run(cfg: Config, out_dir: Path, ckpt: dict | None, device: torch.devi
     window = _restore(run, ckpt)
     # After the restore: DDP starts from these weights. The expert shards stay out of it.
     run.engine = distributed.wrap(model, dist, device, ignore=ep.expert_names if ep else ())
+    if cfg.train.compile:  # the experts compile whole; the model's per-row host reads (halting) break the graph
+        run.engine = torch.compile(run.engine, dynamic=True)
     heldout = fixed_chunks(corpus.heldout, cfg.data.context, cfg.train.eval_chunks, cfg.train.seed + 1)
     return run, window, heldout, corpus
 

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import minagi  # noqa: E402
 import minagi.dispatch  # noqa: E402
 import minagi.hf  # noqa: E402
+from conftest import requires_ext  # noqa: E402
 from minagi.bench.hf import BASE, TINY, experts_of, grads, logits, rel, tiny_config, tiny_model, token_ids  # noqa: E402,E501
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -320,3 +321,28 @@ def test_profile_tool_shows_where_a_backends_time_goes_beside_the_floor():
     bad = subprocess.run([sys.executable, str(tool), "--block", "nope", "--scale", "0.125"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "choose from" in bad.stderr
+
+
+@pytest.mark.slow
+@requires_ext
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "mixtral_gelu_new"])
+def test_static_cache_generate_compiled_whole_equals_eager(name):
+    # transformers compiles the forward of a static-cache generate() (on a CPU only where the
+    # CompileConfig says so): the experts make no graph break (fullgraph), and the tokens are eager's.
+    # (GPT-OSS's sliding-window cache guards on its length in transformers' own code: a recompile
+    # per token, whatever the experts.)
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, ids = _model(name), _ids(batch=1, seq=6)
+    model.set_experts_implementation("eager")
+    ref = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
+    model.set_experts_implementation("minagi")
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    got = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static",
+                         compile_config=config)
+    assert torch.equal(got, ref)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]

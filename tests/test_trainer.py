@@ -184,3 +184,17 @@ def test_pool_lr_scale_sets_the_pools_step_and_follows_the_schedule():
     assert lrs[False] == pytest.approx(cfg.train.lr * 2 / 4) and lrs[True] == pytest.approx(2.5 * lrs[False])
     with pytest.raises(ConfigError, match="train.pool_lr_scale must be > 0"):
         load("cpu-tiny", ["train.pool_lr_scale=0"])
+
+
+@pytest.mark.slow
+def test_compiled_training_follows_eager(tmp_path, text_file):
+    # train.compile=true: torch.compile around training's forward and backward. The experts
+    # compile whole; the model's per-row halting reads break its graph, which is allowed. The
+    # losses follow eager's within float32 rounding of the reordered arithmetic.
+    sets = TINY + [f"data.path={text_file}", "train.steps=4", "train.eval_every=4", "train.checkpoint_every=4"]
+    eager = train(load("cpu-tiny", sets), tmp_path / "eager", progress=False)
+    compiled = train(load("cpu-tiny", sets + ["train.compile=true"]), tmp_path / "compiled", progress=False)
+    assert compiled["step"] == 4
+    assert abs(compiled["heldout_bpc"] - eager["heldout_bpc"]) < 1e-3 * eager["heldout_bpc"]
+    assert _history(tmp_path / "compiled")[-1]["train_loss"] == pytest.approx(
+        _history(tmp_path / "eager")[-1]["train_loss"], rel=1e-3)

@@ -392,7 +392,7 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     """The decode path's conditions: a handful of characters; no capacity drop (one character
     never gives a slot two pairs, so a cap cannot bite); and, where a gradient is wanted, one
     character, whose pairs have distinct slots (the weight gradient takes each slot once), none
-    of them skipped (a skipped pair borrows slot 0)."""
+    of them skipped (a skipped pair's padding row borrows slot 0's range)."""
     if not _decode_size(N) or (cap and N > 1):
         return False
     return not wants_grad or (N == 1 and not skipping)
@@ -412,16 +412,19 @@ def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH
     (character, k) pair is its own one-row range, a plan built on the host from the shapes alone
     (nothing synchronises).
     Only the routed slots' weights are read, with the same gather and deterministic gated combine
-    as the pipeline. A skipped pair (valid_NK False) runs on slot 0 with gate 0: it adds nothing."""
+    as the pipeline. A skipped pair (valid_NK False) is a padding row: a zero row multiplied by
+    slot 0's weights (its range is sized from the shapes), which the combine never reads, so it
+    adds nothing (not even an infinity times a zero gate) and gets no gradient."""
     N, K = slot_idx_NK.shape
+    pair_R = torch.arange(N * K, device=x_ND.device)
+    row_pair_R, dest_NK = pair_R, pair_R.view(N, K)
     if valid_NK is not None:
-        slot_idx_NK, gates_NK = torch.where(valid_NK, slot_idx_NK, 0), torch.where(valid_NK, gates_NK, 0)
+        slot_idx_NK = torch.where(valid_NK, slot_idx_NK, 0)
+        row_pair_R, dest_NK = torch.where(valid_NK.reshape(-1), pair_R, -1), torch.where(valid_NK, dest_NK, -1)
     else:  # no plan to check the ids: the twins' check (a device assert on a GPU)
         reference.check_slot_ids(slot_idx_NK, w_in_SDH.shape[0])
-    ids_R = slot_idx_NK.reshape(-1)
     rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
-    pair_R = torch.arange(N * K, device=x_ND.device)
-    plan = (ids_R, rows_R, pair_R, pair_R.view(N, K))
+    plan = (slot_idx_NK.reshape(-1), rows_R, row_pair_R, dest_NK)
     a_RH = _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form)
     return _second_layer(ops, a_RH, w_out_SHD, gates_NK, plan, post), rows_R
 

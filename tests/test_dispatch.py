@@ -461,3 +461,19 @@ def test_fused_second_layer_backward_keeps_the_weights_layout_and_its_second_der
     assert_close(g_wo_f, g_wo_u, torch.float64, scale=4)
     for what, a, b in zip(("x", "gates", "w_in", "w_out"), second_f, second_u):
         assert_close(a, b, torch.float64, scale=4, msg=f"second derivative of {what}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_skipped_pair_reads_nothing_into_its_token(path):
+    # Slot 0's output is not finite; a decode-sized call whose skipped pair (an expert held
+    # elsewhere) has to run somewhere must still leave that pair out of the sum: no inf * 0.
+    S = 3
+    x, gates = torch.randn(2, 8, dtype=torch.float64), torch.rand(2, 2, dtype=torch.float64)
+    w_in, w_out = torch.randn(S, 8, 12, dtype=torch.float64), torch.randn(S, 12, 8, dtype=torch.float64)
+    w_out[0] = float("inf")
+    slot_idx = torch.tensor([[1, S + 4], [2, 1]])
+    with torch.no_grad():
+        y = expert_mlp(x, slot_idx, gates, w_in, w_out, out_of_range_slots="skip", path=path)
+        want = expert_mlp(x, slot_idx, gates, w_in, w_out, out_of_range_slots="skip", path="rectangle")
+    assert torch.isfinite(y).all()
+    assert_close(y, want)

@@ -143,15 +143,20 @@ class DispatchStats:
     def sink_share(self) -> float:
         """The busiest slot's characters over all characters (a slot takes a character once):
         top_k / S when uniform, 1.0 when every character picks it."""
-        return max(self.slot_load) / self.n_chars if self.n_chars and self.slot_load else 0.0
+        return float(sink_share_of(self.peek("slot_load"), self.n_chars))
 
     @property
     def load_entropy(self) -> float:
         """Entropy of the load over the slots, over log(S): 1 = uniform, 0 = one slot."""
-        total, S = sum(self.slot_load), len(self.slot_load)
-        if not total or S < 2:
-            return 0.0
-        return -sum(c / total * math.log(c / total) for c in self.slot_load if c) / math.log(S)
+        return float(load_entropy_of(self.peek("slot_load")))
+
+    def peek(self, name: str):
+        """A field as held: a tensor stays where it is (nothing is read), a callable is made. The
+        trainer sums these on the device and reads the sums when it writes a record."""
+        value = self.__dict__["_" + name] if "_" + name in self.__dict__ else getattr(self, name)
+        if callable(value):
+            value = self.__dict__["_" + name] = value()
+        return value
 
     @property
     def dead_slots(self) -> int:
@@ -166,6 +171,25 @@ class DispatchStats:
 
     def as_dict(self) -> dict:
         return {**{f: getattr(self, f) for f in self.FIELDS}, "executed_ratio": self.executed_ratio}
+
+
+def sink_share_of(slot_load, n_chars: int) -> torch.Tensor:
+    """max(load) / characters, as a float64 tensor where the load is (0 without load)."""
+    load = torch.as_tensor(slot_load, dtype=torch.float64)
+    if not n_chars or load.numel() == 0:
+        return load.new_zeros(())
+    return load.max() / n_chars
+
+
+def load_entropy_of(slot_load) -> torch.Tensor:
+    """The load's entropy over log(S), as a float64 tensor where the load is: 1 = uniform, 0 = one
+    slot (and 0 without load or with one slot)."""
+    load = torch.as_tensor(slot_load, dtype=torch.float64)
+    S = load.numel()
+    if S < 2:
+        return load.new_zeros(())
+    p = load / load.sum().clamp(min=1)
+    return -torch.where(p > 0, p * p.clamp(min=1e-300).log(), 0).sum() / math.log(S)
 
 
 def capacity(capacity_factor: float, n_chars: int, top_k: int, n_slots: int) -> int:
@@ -576,10 +600,13 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     return y, dispatch_stats(slot_idx[:n_valid], S, cap, executed, groups, None if valid is None else valid[:n_valid])
 
 
-def _groups(rows_A) -> int:
+def _groups(rows_A) -> torch.Tensor:
     """The batched-matmul groups of a plan: its distinct nonzero row counts (a bucketed plan's
-    groups are runs of equal counts, sorted)."""
-    return int(torch.unique(rows_A[rows_A > 0]).numel())
+    groups are runs of equal counts, sorted), counted on the device."""
+    r = rows_A.sort().values
+    new = torch.ones_like(r, dtype=torch.bool)
+    new[1:] = r[1:] != r[:-1]
+    return (new & (r > 0)).sum()
 
 
 def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed, groups,
@@ -603,5 +630,5 @@ def dispatch_stats(slot_idx_NK: torch.Tensor, S: int, cap: int, executed, groups
         top_k=slot_idx_NK.shape[1],
         capacity=cap,
         slot_load=count_S,
-        chars=-1 if valid_NK is None else slot_idx_NK.shape[0],
+        chars=slot_idx_NK.shape[0],
     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from . import dispatch
 
 HISTORY = "history.jsonl"
 LN2 = math.log(2)
@@ -16,13 +18,15 @@ LN2 = math.log(2)
 
 @dataclass
 class Window:
-    """What happened since the last history record."""
+    """What happened since the last history record. The fields are plain numbers (a stopped run
+    keeps them in its checkpoint); what the model measures per row and step is summed on its
+    device and read into them by settle(), when a record is written or the window saved."""
     loss_sum: float = 0.0
     ce_sum: float = 0.0
     steps: int = 0
     chars: int = 0
     train_s: float = 0.0
-    rows: list = field(default_factory=list)  # rows-used histograms, one per step
+    rows: list = field(default_factory=list)  # characters using 1, 2, ... rows
     routed: int = 0
     dropped: int = 0
     executed: int = 0
@@ -37,9 +41,14 @@ class Window:
     load_entropy: float = 0.0
     slot_load: list = field(default_factory=list)  # pairs per card slot, every row of every step
 
+    def __post_init__(self):
+        self._dev: dict[str, torch.Tensor] = {}  # device sums not yet read into the fields
+        if self.rows and isinstance(self.rows[0], torch.Tensor):  # a checkpoint's window before 2026-12-07
+            self.rows = torch.stack(self.rows).sum(0).tolist()
+
     def add(self, outs, loss: float, ce: float, chars: int, seconds: float, max_rows: int, skipped=False) -> None:
         """One optimizer step: outs, the model's outputs of its micro-batches (this rank's); chars,
-        the characters of the whole step (every rank's)."""
+        the characters of the whole step (every rank's). Reads nothing from the device."""
         self.chars += chars
         self.train_s += seconds
         if skipped:  # its loss is not finite: no figure of it would mean anything
@@ -48,32 +57,62 @@ class Window:
         self.loss_sum += loss
         self.ce_sum += ce
         self.steps += 1
-        self.rows.append(sum(torch.bincount(out.rows_used.reshape(-1).long().cpu(), minlength=max_rows + 1)[1:]
-                             for out in outs))
         for out in outs:
+            used = out.rows_used.detach().reshape(-1).long().clamp(0, max_rows)
+            self._sum("rows", torch.zeros(max_rows + 1, dtype=torch.long, device=used.device).index_add_(
+                0, used, torch.ones_like(used))[1:])
             self._add_routing(out)
+
+    def _sum(self, key: str, value) -> None:
+        value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+        held = self._dev.get(key)
+        self._dev[key] = value if held is None else held + value.to(held.device, held.dtype)
+
+    def _max(self, key: str, value) -> None:
+        value = torch.as_tensor(value, dtype=torch.float64)
+        held = self._dev.get(key)
+        self._dev[key] = value if held is None else torch.maximum(held, value.to(held.device))
 
     def _add_routing(self, out) -> None:
         for st in out.dispatch:
-            self.routed += st.routed_pairs
-            self.dropped += st.dropped_pairs
-            self.executed += st.executed_rows
-            self.groups += st.groups
+            load = torch.as_tensor(st.peek("slot_load"))
+            for key, name in (("routed", "routed_pairs"), ("dropped", "dropped_pairs"),
+                              ("executed", "executed_rows"), ("groups", "groups")):
+                self._sum(key, torch.as_tensor(st.peek(name), dtype=torch.long))
             self.calls += 1
             # A call of a handful of characters says nothing of the load: one character alone
             # is always at n_slots / top_k times the fair share.
-            if st.n_chars >= len(st.slot_load):
-                self.max_load_ratio = max(self.max_load_ratio, st.max_load_ratio)
-            self.slot_load = [a + b for a, b in zip(self.slot_load, st.slot_load)] if self.slot_load else list(st.slot_load)
+            if st.n_chars >= load.numel():
+                self._max("max_load_ratio", st.peek("max_load_ratio"))
+            self._sum("slot_load", load.long())
         if out.dispatch:
             first = out.dispatch[0]
             self.first_rows += 1
-            self.sink_share += first.sink_share
-            self.load_ratio += first.max_load_ratio
-            self.load_entropy += first.load_entropy
+            self._sum("sink_share", dispatch.sink_share_of(first.peek("slot_load"), first.n_chars))
+            self._sum("load_ratio", torch.as_tensor(first.peek("max_load_ratio"), dtype=torch.float64))
+            self._sum("load_entropy", dispatch.load_entropy_of(first.peek("slot_load")))
+
+    def settle(self) -> None:
+        """Reads the device sums into the fields (one copy each): at log time, never per step."""
+        dev, self._dev = self._dev, {}
+        for key, value in dev.items():
+            value = value.tolist()
+            if key == "max_load_ratio":
+                self.max_load_ratio = max(self.max_load_ratio, value)
+            elif isinstance(value, list):
+                held = getattr(self, key)
+                setattr(self, key, [a + b for a, b in zip(held, value)] if held else value)
+            else:
+                setattr(self, key, getattr(self, key) + value)
+
+    def state(self) -> dict:
+        """Plain numbers for a checkpoint (Window(**state) restores it)."""
+        self.settle()
+        return asdict(self)
 
     def record(self) -> dict:
-        hist = torch.stack(self.rows).sum(0).double() if self.rows else torch.zeros(1)
+        self.settle()
+        hist = torch.tensor(self.rows, dtype=torch.float64) if self.rows else torch.zeros(1, dtype=torch.float64)
         n = float(hist.sum()) or 1.0
         firsts = max(1, self.first_rows)
         return {

@@ -189,7 +189,8 @@ class ByteModel(nn.Module):
 
     def _mlp(self, x_BTD, card, active_BT, stats, bias_S=None):
         """The pooled MLP on the active characters only; halted ones get no update. Dispatch
-        statistics are appended to `stats` unless it is None (decoding skips their host syncs).
+        statistics (device tensors, read when asked for) are appended to `stats` unless it is None
+        (decoding skips counting them).
         bias_S: the card's routing biases (bias balancing) or None."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
@@ -378,7 +379,7 @@ class RowCache:
         self.kv_t = self.qkv_t[:, w.shape[1]:]  # k and v columns: frozen rows need no queries
         self.proj_t = model.attn.proj.weight.detach().t().contiguous()
         self.head_t = model.head.weight.detach().t().contiguous()
-        self.track_stats = False  # per-row DispatchStats in step()'s output (costs host syncs)
+        self.track_stats = False  # per-row DispatchStats in step()'s output (costs counting per row)
 
     def append(self, r: int, k, v) -> None:
         """Store row r's keys and values [B, heads, 1, hd] for the character at self.pos."""

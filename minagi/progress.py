@@ -14,6 +14,10 @@ from .run import Run
 SINK_WARNING = 0.5  # first-row sink_share past which the run warns (once)
 
 
+def _value(x) -> float:
+    return x() if callable(x) else x
+
+
 class Progress:
     """tqdm on a terminal; on anything else a plain line every ~5% of the run."""
 
@@ -25,14 +29,15 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
-    def update(self, step: int, loss: float, cps: float, rows: float) -> None:
+    def update(self, step: int, loss: float, cps: float, rows) -> None:
+        """rows: rows per character, or a function that reads it (from the device: only when shown)."""
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"loss {loss:.3f}  {cps:,.0f} char/s  rows {rows:.2f}")
+            self.bar.set_postfix_str(f"loss {loss:.3f}  {cps:,.0f} char/s  rows {_value(rows):.2f}")
         elif step % self.every == 0 or step == self.total:
-            print(f"step {step}/{self.total}  loss {loss:.3f}  {cps:,.0f} char/s  rows {rows:.2f}",
+            print(f"step {step}/{self.total}  loss {loss:.3f}  {cps:,.0f} char/s  rows {_value(rows):.2f}",
                   file=sys.stderr, flush=True)
 
     def write(self, msg: str, always: bool = False) -> None:

@@ -4,7 +4,7 @@ that drives it is trainer.py's."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -96,7 +96,7 @@ class Run:
             "world": self.dist.world,
             "dispatch": {"path": self.path, "extension": _backend.loaded(), "software": software()},
             "elapsed_s": record["time_s"],
-            "window": asdict(window),  # empty unless the run stopped between records (a signal)
+            "window": window.state(),  # empty unless the run stopped between records (a signal)
             **({"experts": experts} if experts else {}),
         }
 

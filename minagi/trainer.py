@@ -9,9 +9,10 @@ optimizer step; the held-out score), history.py (the window between records; the
 progress.py (what it prints), guard.py (divergence, finiteness, signals), checkpoint.py."""
 from __future__ import annotations
 
+import functools
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import allocator, checkpoint, distributed, history
@@ -33,7 +34,13 @@ class StepInfo:
     step_s: float  # seconds of this step (forward, backward, update)
     out_dir: Path
     skipped: bool = False  # the divergence guard skipped it
-    rows_mean: float = 0.0  # rows per character (adaptive rows: fewer as the model learns)
+    rows_used: list = field(default_factory=list, repr=False)  # the micro-batches' rows per character
+
+    @functools.cached_property
+    def rows_mean(self) -> float:
+        """Rows per character (adaptive rows: fewer as the model learns), read from the device
+        when first asked for."""
+        return float(sum(r.float().mean() for r in self.rows_used) / len(self.rows_used)) if self.rows_used else 0.0
 
 
 def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, callbacks=(),
@@ -108,9 +115,9 @@ def _step(run: Run, window: Window, guard: DivergenceGuard, trim, bar: Progress)
     seconds = time.perf_counter() - t0
     window.add(outs, loss, ce, chars, seconds, run.cfg.model.max_rows, skipped)
     guard.check(run.step, run.last_good())
-    rows_mean = float(sum(o.rows_used.mean() for o in outs) / len(outs))
-    bar.update(run.step, loss, window.chars / window.train_s, rows_mean)
-    return StepInfo(run.step, loss, chars, seconds, run.out_dir, skipped, rows_mean)
+    info = StepInfo(run.step, loss, chars, seconds, run.out_dir, skipped, [o.rows_used.detach() for o in outs])
+    bar.update(run.step, loss, window.chars / window.train_s, lambda: info.rows_mean)
+    return info
 
 
 def _stop_asked(run: Run, signals: GracefulStop, callbacks, info: StepInfo) -> bool:

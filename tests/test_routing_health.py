@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minagi import checkpoint, history, trainer
+from minagi import checkpoint, dispatch, history, trainer
 from minagi.balance import BalanceInputs, BiasBalance
 from minagi.config import load
 from minagi.dispatch import DispatchStats, dispatch_stats
@@ -58,6 +58,35 @@ def test_telemetry_against_loads_counted_by_hand():
     assert uni.sink_share == 2 / 64 and uni.load_entropy == pytest.approx(1.0) and uni.dead_slots == 0
 
 
+class _NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any read of a tensor's value by the host (item, float, int, bool, tolist)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a tensor's value was read on the host")
+        return func(*args, **(kwargs or {}))
+
+
+def test_window_sums_on_the_device_and_reads_at_the_record(monkeypatch):
+    S, K = 8, 2
+    first = [(0, 1 + i % 6) for i in range(94)] + [(1 + i % 6, 2 + i % 5) for i in range(6)]
+    idx = _forced(S, K, first)
+    st = dispatch.dispatch_stats(idx, S, 60, executed=torch.tensor(210), groups=lambda: torch.tensor(3))
+    w = history.Window()
+    out = SimpleNamespace(rows_used=torch.tensor([[1.0, 2.0, 2.0, 3.0]]), dispatch=[st])
+    with monkeypatch.context() as m, _NoHostReads():
+        m.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist on the step's path"))
+        w.add([out], 1.0, 1.0, 100, 0.1, 3)
+        w.add([out], 1.0, 1.0, 100, 0.1, 3)
+    rec = w.record()
+    assert rec["rows_hist"] == [0.25, 0.5, 0.25] and rec["rows_mean"] == 2.0
+    assert rec["executed_ratio"] == 210 / 200 and rec["groups_mean"] == 3.0
+    assert rec["dropped_frac"] == (94 - 60) / 200 and rec["sink_share"] == 0.94
+    assert rec["load_entropy"] == pytest.approx(st.load_entropy, abs=1e-12) and rec["dead_slots"] == 1
+    saved = history.Window(**w.state())  # a stopped run's window: plain numbers
+    assert saved.record() == rec
+
+
 def test_rectangle_rows_follow_the_cap():
     st = DispatchStats(routed_pairs=20, dropped_pairs=0, executed_rows=20, groups=2, max_load_ratio=2.0,
                        top_k=2, capacity=0, slot_load=[10, 6, 4, 0])
@@ -67,7 +96,8 @@ def test_rectangle_rows_follow_the_cap():
 
 
 def test_history_has_the_telemetry_and_warns_once_on_a_sink(tmp_path, text_file, monkeypatch, capsys):
-    monkeypatch.setattr(DispatchStats, "sink_share", property(lambda self: 0.9))  # a test double: a sink
+    # A test double: a sink (the trainer sums the first row's share on the device).
+    monkeypatch.setattr(dispatch, "sink_share_of", lambda load, n: torch.tensor(0.9, dtype=torch.float64))
     cfg = load("cpu-tiny", [*TINY, f"data.path={text_file}", "train.steps=6", "train.checkpoint_every=2"])
     trainer.train(cfg, tmp_path, progress=True)
     hist = _history(tmp_path)

@@ -1,5 +1,5 @@
 """python -m minagi.bench hf: transformers' experts backends against minagi's, on MoE blocks shaped
-like the models people run (scaled to a small machine) and on one whole tiny model's generate().
+like the models people run (scaled to a small machine) and on whole models' generate(), eager and compiled.
 
 Each block is the model's own transformers experts module (MixtralExperts, OlmoeExperts, ...)
 with random weights and a random top-k routing; every backend runs the same module, switched
@@ -389,25 +389,79 @@ def peak_memory(name, dtype, T, backends, max_gb, device, scale=1.0):
     return out
 
 
-def bench_generate(backends, rounds, new_tokens=32, device="cpu"):
-    """Tokens/s of one tiny Qwen3-MoE-like model's greedy generate() per backend."""
+# The whole models of the generate() rows: (what it is, transformers config fields, dtype).
+GENERATE = {
+    "tiny": ("tiny Qwen3-MoE-like model (4 layers, hidden 256, E32 k4)",
+             dict(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+                  num_experts=32, num_experts_per_tok=4), torch.float32),
+    # Qwen3-30B-A3B's layer at full size (its vocabulary, attention, 128 experts of width 768,
+    # top 8), 4 layers deep instead of 48, random weights.
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B-shaped model (4 layers, hidden 2048, E128 k8, width 768, bf16)",
+                      dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                           num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False), torch.bfloat16),
+}
+
+
+def _generate_model(name: str, device):
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=64, intermediate_size=512,
-                                      moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4)
+    _, fields, dtype = GENERATE[name]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(device)
-    ids = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(2)).to(device)
-    times = {b: [] for b in backends}
-    for r in range(rounds + 1):
-        for impl in backends[r % len(backends):] + backends[:r % len(backends)]:
-            model.set_experts_implementation(impl)
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            if r:  # round 0 warms up
-                times[impl].append(time.perf_counter() - t0)
-    return {impl: new_tokens / statistics.median(v) for impl, v in times.items()}
+    cfg = transformers.Qwen3MoeConfig(**fields)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def _generate_call(model, ids, new_tokens: int, compiled: bool):
+    """One greedy generate(): eager with the default cache, or compiled with a static cache (the
+    forward whole where it can: a backend that breaks the graph runs in pieces, as a user's would, and
+    the bench says so; on a CPU transformers compiles only where the CompileConfig says so)."""
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if compiled:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        config = CompileConfig(fullgraph=False, dynamic=False)
+        config._compile_all_devices = True
+        kw.update(cache_implementation="static", compile_config=config)
+    return model.generate(ids, **kw)
+
+
+def bench_generate(backends, rounds, new_tokens=32, device="cpu", name="tiny", modes=("eager",)) -> dict:
+    """Tokens/s of one whole model's greedy generate() per backend and mode ("eager", "compiled"):
+    {mode: {backend: tokens/s}}. Rounds interleave the backends; round 0 warms up (and compiles).
+    Each backend's compiled forward is its own graph: dynamo guards on the experts' implementation."""
+    model = _generate_model(name, device)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2)).to(device)
+    out = {}
+    for mode in modes:
+        compiled = mode == "compiled"
+        if compiled:
+            from torch import _dynamo
+
+            _dynamo.reset()
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 4 * len(backends))
+        times = {b: [] for b in backends}
+        for r in range(rounds + 1):
+            for impl in backends[r % len(backends):] + backends[:r % len(backends)]:
+                model.set_experts_implementation(impl)
+                breaks = _graph_breaks()
+                t0 = time.perf_counter()
+                _generate_call(model, ids, new_tokens, compiled)
+                if r:
+                    times[impl].append(time.perf_counter() - t0)
+                elif compiled and _graph_breaks() > breaks:
+                    print(f"  note: {impl}'s compiled forward broke its graph {_graph_breaks() - breaks} times",
+                          flush=True)
+        out[mode] = {impl: new_tokens / statistics.median(v) for impl, v in times.items()}
+    return out
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 def check_targets(results, peaks) -> list[tuple[str, float, str, bool]]:
@@ -464,6 +518,11 @@ def main(argv=None) -> int:
     p.add_argument("--slow", type=float, default=4.0, help="a backend slower than this (s) runs one round")
     p.add_argument("--max-gb", type=float, default=6.0, help="skip batched_mm where it would need more")
     p.add_argument("--no-generate", action="store_true", help="skip the whole-model generate() rows")
+    p.add_argument("--generate", default=",".join(GENERATE),
+                   help=f"whole models for the generate() rows, a subset of {', '.join(GENERATE)} (--quick: tiny)")
+    p.add_argument("--generate-modes", default="eager,compiled",
+                   help="eager (default cache) and/or compiled (static cache, the forward compiled whole)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per generate() (--quick: 8)")
     p.add_argument("--quick", action="store_true", help="widths / 8 and small sizes: a smoke run")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
@@ -499,6 +558,11 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in a.tokens.split(",") if t]
     decode = [int(t) for t in a.decode.split(",") if t]
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",") if d]
+    gen_models = ["tiny"] if a.quick else [g.strip() for g in a.generate.split(",") if g.strip()]
+    modes = [m.strip() for m in a.generate_modes.split(",") if m.strip()]
+    if bad := [g for g in gen_models if g not in GENERATE] + [m for m in modes if m not in ("eager", "compiled")]:
+        p.error(f"unknown generate model or mode {', '.join(bad)}; models: {', '.join(GENERATE)}; "
+                "modes: eager, compiled")
     ext = "loaded" if _backend.loaded() else f"not loaded ({_backend.state().reason})"
     print(f"minagi.bench hf: torch {torch.__version__}, transformers {transformers.__version__}, {a.device}, "
           f"{torch.get_num_threads()} threads, extension {ext}, allocator {allocator.describe()}; ms per call, "
@@ -516,10 +580,13 @@ def main(argv=None) -> int:
                 peaks[(name, dt)] = peak_memory(name, dtype, max(tokens), real, a.max_gb, a.device, scale)
                 print(f"{name:<12}{dt:<9}peak MiB fwd+bwd T={max(tokens)}: " + "  ".join(
                     f"{b} {v / 2**20:.1f}" for b, v in peaks[(name, dt)].items()), flush=True)
-    gen = {} if a.no_generate else bench_generate(real, a.rounds, 8 if a.quick else 32, a.device)
-    if gen:
-        print("generate() tokens/s, tiny Qwen3-MoE-like model (4 layers, hidden 256, E32 k4): " +
-              "  ".join(f"{b} {v:.1f}" for b, v in gen.items()))
+    gen = {} if a.no_generate else {
+        name: bench_generate(real, a.rounds, 8 if a.quick else a.new_tokens, a.device, name, modes)
+        for name in gen_models}
+    for name, by_mode in gen.items():
+        print(f"generate() tokens/s, {GENERATE[name][0]}, {8 if a.quick else a.new_tokens} new tokens:")
+        for mode, rates in by_mode.items():
+            print(f"  {mode:<9}" + "  ".join(f"{b} {v:.1f}" for b, v in rates.items()), flush=True)
     targets = check_targets(results, peaks)
     print_targets(targets, "targets:", 58)
     if a.json:

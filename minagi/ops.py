@@ -7,6 +7,7 @@ transposed weights. So double backward works wherever the forward does.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import types
 
@@ -131,8 +132,8 @@ def _wgrad(ops, a_EI, grad_EO, b_SIO, slot_ids, slot_rows, n_slots: int):
 
 def _through_twin(twin, inputs, rest, grad_outs) -> tuple:
     """The gradients of a backward op's outputs with respect to its tensor inputs, given the
-    outputs' gradients: through its pure-torch twin's autograd (the ops' own backwards are only
-    reached by double backward and checks). None for each input where no output has a gradient."""
+    outputs' gradients: through the autograd of `twin`, a differentiable composition of the same
+    maths (the pure-torch twin, or the ops it fuses; only double backward and checks come here). None for each input where no output has a gradient."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in inputs]
         outs = twin(*leaves, *rest)
@@ -277,8 +278,9 @@ def _grouped_mm_scatter_autograd(lib: str) -> None:
         a, b, gates, *plan = ctx.saved_tensors
         need = ctx.needs_input_grad
         layout = 0 if not need[1] else 2 if stored_transposed(b) else 1  # b's gradient, in b's layout
-        # A double backward takes the differentiable twin.
-        fn = reference.scatter_mm_backward if torch.is_grad_enabled() else ops.scatter_mm_backward
+        # A double backward composes the ops whose own autograd goes on (gather, grouped GEMMs).
+        fn = (functools.partial(reference.scatter_mm_backward, ops=ops) if torch.is_grad_enabled()
+              else ops.scatter_mm_backward)
         grad_a, grad_b, grad_g = fn(grad_y.contiguous(), a, b, gates, *plan, layout)
         grad_b = (grad_b.mT if layout == 2 else grad_b) if need[1] else None
         return grad_a if need[0] else None, grad_b, grad_g if need[2] else None, None, None, None, None
@@ -288,7 +290,9 @@ def _grouped_mm_scatter_autograd(lib: str) -> None:
 
 def _gather_mm_act_autograd(lib: str) -> None:
     # An inference op: dispatch never calls it where a gradient is wanted. Its gradients, for
-    # whoever does, come through the twin's autograd.
+    # whoever does, come through the ops it fuses (gather, grouped_mm_act) and their autograd.
+    ops = getattr(torch.ops, lib)
+
     def setup(ctx, inputs, output):
         x, b, bias, slot_ids, slot_rows, row_pair, dest, *form = inputs
         ctx.form, ctx.has_bias = form, bias is not None
@@ -299,7 +303,7 @@ def _gather_mm_act_autograd(lib: str) -> None:
         create = torch.is_grad_enabled()  # a double backward: the graph goes on through these gradients
         with torch.enable_grad():
             leaves = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, b, bias) if t is not None]
-            out = reference.gather_mm_act(*leaves, *([None] if bias is None else []), *plan, *ctx.form)
+            out = reference.gather_mm_act(*leaves, *([None] if bias is None else []), *plan, *ctx.form, ops=ops)
             grads = torch.autograd.grad(out, leaves, g_out, create_graph=create, allow_unused=True)
         return grads[0], grads[1], grads[2] if ctx.has_bias else None, None, None, None, None, None, None, None
 
@@ -308,7 +312,9 @@ def _gather_mm_act_autograd(lib: str) -> None:
 
 def _decode_experts_autograd(lib: str) -> None:
     # Writing's op: dispatch never calls it where a gradient is wanted. Its gradients, for whoever
-    # does, come through the twin's autograd.
+    # does, come through the ops it fuses, one row per pair, and their autograd.
+    ops = getattr(torch.ops, lib)
+
     def setup(ctx, inputs, output):
         *tensors, activation, alpha, limit = inputs
         ctx.form = (activation, alpha, limit)
@@ -322,7 +328,7 @@ def _decode_experts_autograd(lib: str) -> None:
         with torch.enable_grad():
             leaves = [t if t is None or not t.is_floating_point() or t.requires_grad
                       else t.detach().requires_grad_() for t in tensors]
-            y = reference.decode_experts(*leaves, *ctx.form)
+            y = reference.decode_experts(*leaves, *ctx.form, ops=ops)
             wanted = [t for t in leaves if t is not None and t.is_floating_point()]
             grads = iter(torch.autograd.grad(y, wanted, g_y, create_graph=create, allow_unused=True))
         return (*(next(grads) if t is not None and t.is_floating_point() else None for t in leaves), None, None, None)
@@ -331,15 +337,19 @@ def _decode_experts_autograd(lib: str) -> None:
 
 
 def _scatter_mm_backward_autograd(lib: str) -> None:
+    ops = getattr(torch.ops, lib)
+
     def scatter_mm_backward_setup(ctx, inputs, output):
         *tensors, b_grad = inputs
         ctx.b_grad = b_grad
         ctx.save_for_backward(*tensors)
 
     def scatter_mm_backward_bwd(ctx, g_a, g_b, g_gates):
-        # Its second derivatives, through the twin's autograd (only double backward and checks come here).
+        # Its second derivatives, through the ops it fuses and their autograd (only double
+        # backward and checks come here).
         grad_y, a, b, gates, *plan = ctx.saved_tensors
-        grads = _through_twin(reference.scatter_mm_backward, (grad_y, a, b, gates), (*plan, ctx.b_grad),
+        composed = functools.partial(reference.scatter_mm_backward, ops=ops)
+        grads = _through_twin(composed, (grad_y, a, b, gates), (*plan, ctx.b_grad),
                               (g_a, g_b, g_gates))
         return *grads, None, None, None, None, None
 

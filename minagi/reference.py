@@ -10,6 +10,8 @@ included), D/I/O feature widths.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -256,10 +258,13 @@ def grouped_mm_act(a_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation: st
 
 
 def gather_mm_act(x_ND, b_SKM, bias_SM, slot_ids_A, slot_rows_A, row_pair_E, dest_NK, activation: str,
-                  alpha: float, limit: float):
-    """The activation of grouped_mm_act on the plan's gathered rows of x (inference's first layer)."""
-    buf_EK = bucketed_gather(x_ND, row_pair_E, dest_NK, None)
-    return grouped_mm_act(buf_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation, alpha, limit)[1]
+                  alpha: float, limit: float, *, ops=None):
+    """The activation of grouped_mm_act on the plan's gathered rows of x (inference's first layer).
+    ops: whose gather and grouped_mm_act to compose (the twins by default; the compiled op's
+    backward passes the compiled ops, whose own autograd then traces)."""
+    ops = ops or _twins()
+    buf_EK = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
+    return ops.grouped_mm_act(buf_EK, b_SKM, bias_SM, slot_ids_A, slot_rows_A, activation, alpha, limit)[1]
 
 
 def grouped_mm_scatter(a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_A, row_pair_E, dest_NK):
@@ -268,20 +273,17 @@ def grouped_mm_scatter(a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_A, row_pair_
 
 
 def decode_experts(x_ND, slot_idx_NK, gates_NK, w_in_SDM, w_out_SHD, b_in_SM, b_out_SD, activation: str,
-                   alpha: float, limit: float):
+                   alpha: float, limit: float, *, ops=None):
     """Writing's experts in one call: sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s] +
-    b_out[s]), s = slot_idx[n, j]. Here every pair is its own one-row range (the compiled op sorts
-    the pairs by slot, which changes which weights are read, not the sums)."""
-    N, K = slot_idx_NK.shape
-    ids_R = slot_idx_NK.reshape(-1)
-    ones_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
-    pair_R = torch.arange(N * K, device=x_ND.device)
-    buf_RD = bucketed_gather(x_ND, pair_R, pair_R.view(N, K), None)
-    a_RH = grouped_mm_act(buf_RD, w_in_SDM, b_in_SM, ids_R, ones_R, activation, alpha, limit)[1]
-    out_RD = grouped_mm(a_RH, w_out_SHD, ids_R, ones_R)
+    b_out[s]), s = slot_idx[n, j], composed from the exact plan's pipeline. ops: as gather_mm_act's."""
+    ops = ops or _twins()
+    _, order_S, rows_S, row_pair_R, dest_NK = ops.group_plan(slot_idx_NK, w_in_SDM.shape[0], 0, False)
+    buf_RD = ops.bucketed_gather(x_ND, row_pair_R, dest_NK, None)
+    a_RH = ops.grouped_mm_act(buf_RD, w_in_SDM, b_in_SM, order_S, rows_S, activation, alpha, limit)[1]
+    out_RD = ops.grouped_mm(a_RH, w_out_SHD, order_S, rows_S)
     if b_out_SD is not None:
-        out_RD = out_RD + b_out_SD.index_select(0, ids_R)
-    return weighted_scatter(out_RD, pair_R.view(N, K), pair_R, gates_NK)
+        out_RD = out_RD + per_row(b_out_SD, order_S, rows_S, out_RD.shape[0])
+    return ops.weighted_scatter(out_RD, dest_NK, row_pair_R, gates_NK)
 
 
 def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str, alpha: float, limit: float,
@@ -296,15 +298,16 @@ def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str,
 
 
 def scatter_mm_backward(grad_y_ND, a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_A, row_pair_E, dest_NK,
-                        b_grad: int):
+                        b_grad: int, *, ops=None):
     """The gradients of y = weighted_scatter(grouped_mm(a, b, slot_ids, slot_rows), dest, row_pair,
     gates) with respect to a, b and the gates, given y's: (grad_a [E, I], grad_b, grad_gates [N, k]).
     grad_b is [S, I, D] for b_grad 1, the same transposed ([S, D, I], contiguous) for 2, [0] for 0. The gates'
-    gradient is <a_r, grad_y b^T> per pair's row r, which equals <grad_y, a_r b>."""
+    gradient is <a_r, grad_y b^T> per pair's row r, which equals <grad_y, a_r b>. ops: as gather_mm_act's."""
+    ops = ops or _twins()
     N, K = dest_NK.shape
     valid_E = row_pair_E >= 0
-    dy_ED = bucketed_gather(grad_y_ND, row_pair_E, dest_NK, None)  # each row's character's gradient
-    g_EI = grouped_mm(dy_ED, b_SID.transpose(1, 2), slot_ids_A, slot_rows_A)
+    dy_ED = ops.bucketed_gather(grad_y_ND, row_pair_E, dest_NK, None)  # each row's character's gradient
+    g_EI = ops.grouped_mm(dy_ED, b_SID.transpose(1, 2), slot_ids_A, slot_rows_A)
     gate_E = torch.where(valid_E, gates_NK.reshape(-1).index_select(0, row_pair_E.clamp(min=0)), 0.0)
     grad_a_EI = g_EI * gate_E.unsqueeze(1)
     if a_EI.shape[0]:
@@ -314,5 +317,10 @@ def scatter_mm_backward(grad_y_ND, a_EI, b_SID, gates_NK, slot_ids_A, slot_rows_
         grad_gates_NK = gates_NK.new_zeros(N, K) + _graph_zero(grad_y_ND, a_EI, b_SID, gates_NK)
     if not b_grad:
         return grad_a_EI, a_EI.new_zeros(0), grad_gates_NK
-    grad_b_SID = grouped_mm_wgrad(a_EI, dy_ED * gate_E.unsqueeze(1), slot_ids_A, slot_rows_A, b_SID.shape[0])
+    grad_b_SID = ops.grouped_mm_wgrad(a_EI, dy_ED * gate_E.unsqueeze(1), slot_ids_A, slot_rows_A, b_SID.shape[0])
     return grad_a_EI, grad_b_SID.transpose(1, 2).contiguous() if b_grad == 2 else grad_b_SID, grad_gates_NK
+
+
+def _twins():
+    """This module as the ops of the composed twins (their default)."""
+    return sys.modules[__name__]

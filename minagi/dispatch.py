@@ -14,9 +14,9 @@ Paths:
              kept as the reference (S x max_load rows for N x K routed pairs).
   grouped    the seed's grouped dispatch in pure torch: slots grouped by _bucket(load), one pair
              of bmms per group at the group's capacity, weights gathered once per call.
-  compiled   the same pipeline of ops from the extension (minagi._C). On the CPU an exact plan:
-             each slot's row range multiplied (no padding), every size from the input's shapes
-             (docs/dispatch.md, "How a call runs"); on a GPU the bucketed plan.
+  compiled   the same pipeline of ops from the extension (minagi._C), on an exact plan: each
+             slot's row range multiplied (no padding), every size from the input's shapes, nothing
+             read on the host, GPUs included (docs/dispatch.md, "How a call runs").
   auto       compiled when the extension has kernels for the input's device, else grouped.
 
 A handful of characters (writing: one per stream) skips the plan: on the CPU's compiled path,
@@ -433,8 +433,8 @@ def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool) -> bo
 
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
     """A handful of characters without the plan (on a GPU, or on the pure-torch twins): every
-    (character, k) pair is its own one-row range, a plan built on the host from the shapes alone
-    (nothing synchronises).
+    (character, k) pair is its own one-row range, a plan made from the shapes alone (its row counts
+    are ones on the device: nothing is read on the host).
     Only the routed slots' weights are read, with the same gather and deterministic gated combine
     as the pipeline. A skipped pair (valid_NK False) is a padding row: a zero row multiplied by
     slot 0's weights (its range is sized from the shapes), which the combine never reads, so it
@@ -447,7 +447,7 @@ def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH
         row_pair_R, dest_NK = torch.where(valid_NK.reshape(-1), pair_R, -1), torch.where(valid_NK, dest_NK, -1)
     else:  # no plan to check the ids: the twins' check (a device assert on a GPU)
         reference.check_slot_ids(slot_idx_NK, w_in_SDH.shape[0])
-    rows_R = torch.ones(N * K, dtype=torch.long)  # on the host, like group_plan's slot_rows
+    rows_R = torch.ones(N * K, dtype=torch.long, device=x_ND.device)  # on the device, like an exact plan's
     plan = (slot_idx_NK.reshape(-1), rows_R, row_pair_R, dest_NK)
     a_RH = _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form)
     return _second_layer(ops, a_RH, w_out_SHD, gates_NK, plan, post), rows_R
@@ -542,7 +542,7 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     capacity_factor c > 0 caps each slot at ceil(c * N * k / S) pairs, keeping the first in
     character order, then k order; dropped pairs contribute nothing, identically on every path.
     bucketed (grouped and compiled paths) pads each slot's rows to _bucket(load); None takes the
-    path's default (grouped: True; compiled: False on the CPU, True on GPUs). n_valid: the rows
+    path's default (grouped: True; compiled: False). n_valid: the rows
     from n_valid on are padding (the model pads a row's characters to _bucket sizes): they come
     last, so they never take a real pair's place under a cap, and they count in no statistic and
     not in the cap. Returns y [N, d], or (y, DispatchStats) with return_stats.
@@ -571,8 +571,8 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
         y, kept, executed = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid, post_pair)
     else:
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
-        if bucketed is None:
-            bucketed = path == "grouped" or x.device.type != "cpu"
+        if bucketed is None:  # the compiled path's exact plan reads nothing on the host, GPUs included
+            bucketed = path == "grouped"
         # The caller's functions may hold parameters of their own (a norm's weight).
         wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out)) or (
             torch.is_grad_enabled() and (form.fn is not None or post is not None))

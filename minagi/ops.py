@@ -55,8 +55,9 @@ def _fake_registrations(lib: str = "minagi") -> None:
         else:  # every slot, and a row per pair: sizes from the input's shape only
             A, E = n_slots, slot_idx.shape[0] * slot_idx.shape[1]
         new = slot_idx.new_empty
-        # slot_rows is on the host for GPU inputs: the grouped GEMM's sizes, copied once.
-        return new(n_slots), new(A), new(A, device="cpu"), new(E), new(slot_idx.shape)
+        # A bucketed plan's slot_rows is on the host (its sizes, copied once); an exact plan's stays
+        # on the input's device.
+        return new(n_slots), new(A), new(A, device="cpu") if bucketed else new(A), new(E), new(slot_idx.shape)
 
     @torch.library.register_fake(f"{lib}::bucketed_gather")
     def _(x, row_pair, dest, gates):

@@ -55,17 +55,25 @@ def _row_slots(slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor, n_rows: int,
 
 
 def per_row(table_SW: torch.Tensor, slot_ids_A: torch.Tensor, slot_rows_A: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """table[slot of each row] for the n_rows rows of a plan's buffer, zeros past the ranges."""
+    """table[slot of each row] for the n_rows rows of a plan's buffer, zeros past the ranges. On a
+    GPU through embedding, whose table gradient (slot_sums) is deterministic; index_select's
+    (index_add, atomics) is not."""
     S = table_SW.shape[0]
-    return F.pad(table_SW, (0, 0, 0, 1)).index_select(0, _row_slots(slot_ids_A, slot_rows_A, n_rows, S))
+    slots = _row_slots(slot_ids_A, slot_rows_A, n_rows, S)
+    if table_SW.device.type == "cpu":
+        return F.pad(table_SW, (0, 0, 0, 1)).index_select(0, slots)
+    return F.embedding(slots, F.pad(table_SW, (0, 0, 0, 1)))
 
 
 def slot_sums(rows_EW: torch.Tensor, slot_ids_A, slot_rows_A, n_slots: int) -> torch.Tensor:
     """Per slot, the sum of its rows of rows_EW, [n_slots, W] (zeros for slots with none; rows past
-    the listed ranges count nowhere)."""
+    the listed ranges count nowhere). Bit-reproducible on every device: on a GPU through
+    embedding's backward (sorted rows, a fixed order), not index_add's atomics."""
     E, W = rows_EW.shape
     slots_E = _row_slots(slot_ids_A, slot_rows_A, E, n_slots)  # past the ranges: a spare slot
-    return rows_EW.new_zeros(n_slots + 1, W).index_add(0, slots_E, rows_EW)[:n_slots]
+    if rows_EW.device.type == "cpu":
+        return rows_EW.new_zeros(n_slots + 1, W).index_add(0, slots_E, rows_EW)[:n_slots]
+    return torch.ops.aten.embedding_dense_backward(rows_EW, slots_E, n_slots + 1, -1, False)[:n_slots]
 
 
 def bucket(n: int) -> int:
@@ -158,7 +166,7 @@ def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed:
         row_pair_R = torch.full((R + 1,), -1, dtype=torch.long, device=dev)  # the last one takes the dropped
         row_pair_R = row_pair_R.scatter(0, torch.where(kept_R, dest_R, R), torch.arange(R, device=dev))[:R]
         order_S = torch.arange(n_slots, device=dev)
-        return load_S, order_S, load_S.cpu(), row_pair_R, dest_R.view(N, K)
+        return load_S, order_S, load_S, row_pair_R, dest_R.view(N, K)  # slot_rows on the input's device
 
     active_A = torch.nonzero(load_S > 0).reshape(-1)
     slot_order_A = active_A[torch.sort(load_S[active_A], stable=True).indices]

@@ -2,6 +2,7 @@
 routings, and the model trains there, with its pool on the device or in host memory. Every case
 skips visibly where no GPU (or no GPU build of minagi._C) is present; the compiled-against-twin
 tests of the ops run on the GPU through the `device` fixture of test_ops and test_dispatch."""
+import contextlib
 import random
 
 import pytest
@@ -197,3 +198,134 @@ def test_every_expert_form_on_the_gpu_matches_the_cpu(act, N):
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
     for k in want_g:
         torch.testing.assert_close(got_g[k].cpu().double(), want_g[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+@contextlib.contextmanager
+def _sync_is_an_error():
+    """CUDA's sync debug mode at "error": any device-to-host read or synchronising copy raises."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+# (activation, gated, biases, weights stored [S, out, in] and passed as .mT, N, capacity_factor,
+# out_of_range_slots): the fused forms, a caller's activation, decode sizes, capacity and skip.
+SYNC_FREE_CALLS = [
+    ("gelu", False, False, False, 300, 0.0, "error"),
+    ("swiglu", True, True, True, 300, 0.0, "error"),
+    ("swiglu_oai", True, True, False, 257, 1.25, "error"),
+    ("relu2", False, True, True, 1, 0.0, "error"),
+    ("swiglu", True, False, True, 3, 0.0, "error"),
+    ("gelu", False, True, False, 64, 0.0, "skip"),
+    (torch.nn.functional.silu, False, True, True, 100, 0.0, "error"),
+]
+
+
+def _expert_args(act, gated, biases, transposed, N, dtype, skip):
+    dev, S, K, D, H = torch.device("cuda"), 8, 2, 64, 96
+    g = torch.Generator().manual_seed(N)
+    H_in = 2 * H if gated else H
+
+    def weight(s, i, o):  # [s, i, o], stored [s, o, i] where transposed
+        w = torch.randn(s, o, i, generator=g).mT if transposed else torch.randn(s, i, o, generator=g)
+        return (w / i ** 0.5).to(dev, dtype).requires_grad_()
+
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(N)]).to(dev)
+    if skip:
+        idx[::5, 0] = S + 3  # held elsewhere
+    x = torch.randn(N, D, generator=g).to(dev, dtype).requires_grad_()
+    gates = torch.rand(N, K, generator=g).softmax(1).to(dev, dtype).requires_grad_()
+    w_in, w_out = weight(S, D, H_in), weight(S, H, D)
+    b_in = (torch.randn(S, H_in, generator=g) * 0.1).to(dev, dtype).requires_grad_() if biases else None
+    b_out = (torch.randn(S, D, generator=g) * 0.1).to(dev, dtype).requires_grad_() if biases else None
+    return x, idx, gates, w_in, w_out, b_in, b_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("call", SYNC_FREE_CALLS, ids=lambda c: "-".join(str(getattr(v, "__name__", v)) for v in c))
+def test_expert_mlp_never_synchronises_on_the_gpu_and_matches_the_twin(call, dtype):
+    # The compiled path on the GPU reads nothing on the host: the exact plan's sizes come from the
+    # shapes, the grouped GEMMs sum the ranges on the device and read the weights in place.
+    act, gated, biases, transposed, N, cap, oor = call
+    args = _expert_args(act, gated, biases, transposed, N, dtype, oor == "skip")
+    x, idx, gates, w_in, w_out, b_in, b_out = args
+    leaves = [t for t in (x, gates, w_in, w_out, b_in, b_out) if t is not None]
+    kw = dict(activation=act, b_in=b_in, b_out=b_out, capacity_factor=cap, out_of_range_slots=oor)
+    grad_y = torch.randn(N, x.shape[1], device=x.device, dtype=dtype)
+    torch.cuda.synchronize()
+    with _sync_is_an_error():
+        y = expert_mlp(x, idx, gates, w_in, w_out, path="compiled", **kw)
+        got = torch.autograd.grad(y, leaves, grad_y)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    twin = [t.detach().float().requires_grad_() for t in leaves]
+    tw = dict(zip([n for n, t in zip(("x", "gates", "w_in", "w_out", "b_in", "b_out"),
+                                     (x, gates, w_in, w_out, b_in, b_out)) if t is not None], twin))
+    y_twin = expert_mlp(tw["x"], idx, tw["gates"], tw["w_in"], tw["w_out"], path="grouped",
+                        **{**kw, "b_in": tw.get("b_in"), "b_out": tw.get("b_out")})
+    torch.testing.assert_close(y.float(), y_twin, **tol)
+    want = torch.autograd.grad(y_twin, twin, grad_y.float())
+    for name, a, b in zip(tw, got, want):
+        torch.testing.assert_close(a.float(), b, **tol, msg=lambda m, name=name: f"{name}'s gradient: {m}")
+
+
+def test_b_in_gradient_is_bitwise_deterministic_on_the_gpu():
+    args = _expert_args("swiglu", True, True, True, 513, torch.float32, False)
+    x, idx, gates, w_in, w_out, b_in, b_out = args
+
+    def grad_b_in():
+        y = expert_mlp(x, idx, gates, w_in, w_out, activation="swiglu", b_in=b_in, b_out=b_out, path="compiled")
+        return torch.autograd.grad(y.square().sum(), b_in)[0]
+
+    first = grad_b_in()
+    for _ in range(5):
+        assert torch.equal(grad_b_in(), first)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_transformers_moe_experts_never_synchronise_on_the_gpu(name, dtype):
+    # The tiny model's own code (masks, loss) may synchronise: sync debug mode is "error" while
+    # its experts run, forward and backward (module hooks), and the results match eager's.
+    pytest.importorskip("transformers")
+    import minagi.hf
+    from minagi.bench.hf import experts_of, tiny_model, token_ids
+
+    minagi.hf.register()
+    model = tiny_model(name, dtype).cuda()
+    ids = token_ids().cuda()
+    modes = []
+
+    def enter(*_):
+        modes.append(torch.cuda.get_sync_debug_mode())
+        torch.cuda.set_sync_debug_mode("error")
+
+    def leave(*_):
+        torch.cuda.set_sync_debug_mode(modes.pop() if modes else 0)
+
+    def run(impl):
+        model.set_experts_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        torch.cuda.synchronize()
+        return out.logits.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_logits, want_grads = run("eager")
+    hooks = []
+    for experts in experts_of(model):
+        hooks += [experts.register_forward_pre_hook(enter), experts.register_forward_hook(leave),
+                  experts.register_full_backward_pre_hook(enter), experts.register_full_backward_hook(leave)]
+    try:
+        logits, grads = run("minagi")
+    finally:
+        for h in hooks:
+            h.remove()
+        torch.cuda.set_sync_debug_mode(0)
+    tol = dict(rtol=5e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, want_logits, **tol)
+    assert grads.keys() == want_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], want_grads[n], **tol, msg=lambda m, n=n: f"{n}: {m}")

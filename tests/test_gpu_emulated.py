@@ -285,29 +285,77 @@ def _sum_tol(dtype: torch.dtype, terms: int):
     return rtol, rtol * terms ** 0.5
 
 
-def small_rows_cases(size: str) -> list[Case]:
+def _weights(S: int, K: int, M: int, transposed: bool, dtype, g):
+    """b [S, K, M] and the tensor that stores it: itself, or (transposed) a [S, M, K] it is the .mT view of."""
+    store = torch.randn(*((S, M, K) if transposed else (S, K, M)), generator=g).to(dtype)
+    return store, store.transpose(1, 2) if transposed else store
+
+
+def _owned(slot_ids, slot_rows):
+    """The listed slots that own rows (a slot with none adds nothing, and the twin's view of it fails)."""
+    owns = slot_rows > 0
+    return slot_ids[owns], slot_rows[owns]
+
+
+# (mode, tag, S, K, M, slot_ids, slot_rows, extra tail rows, grid cap): the decode kernel (rows past
+# kSmallRows per slot, M past one 256-column block), the tiled kernel (a slot past one 64-row tile,
+# K not a multiple of the 16-deep step, M past one 64-column tile) and the native path's fix-up
+# (slots 1 and 2 swapped, 0 and 3 in place: torch._grouped_mm's part is done on the host).
+GEMM_SHAPES = [
+    ("small", "row_major", 12, 96, 300, [7, 2, 11, 0, 5], [1, 4, 2, 3, 0], 0, None),
+    ("small", "transposed", 12, 96, 300, [3, 9], [4, 1], 0, None),
+    ("small", "many_rows_tail", 12, 40, 70, [4, 6], [6, 1], 2, 1),
+    ("small", "no_rows_tail", 12, 16, 20, [4], [0], 2, None),
+    ("tiled", "row_major", 5, 40, 100, [3, 0, 4, 1], [70, 0, 1, 64], 5, None),
+    ("tiled", "transposed", 5, 40, 100, [3, 0, 4, 1], [70, 0, 1, 64], 5, 3),
+    ("native", "row_major", 4, 24, 72, [0, 2, 1, 3], [5, 66, 0, 3], 2, None),
+    ("native", "transposed", 4, 24, 72, [0, 2, 1, 3], [5, 66, 0, 3], 2, 2),
+]
+
+
+def grouped_gemm_cases(size: str) -> list[Case]:
+    """grouped_mm's kernels: the ranges' offsets, then the decode, tiled or native path's kernel,
+    reading b in both layouts, with rows past the ranges (zeros) and grid-stride loops."""
     g = torch.Generator().manual_seed(5)
-    S, K, M = 12, 96 if size == "full" else 16, 300  # M past one block of 256 columns
-    layouts = [("row_major", [7, 2, 11, 0, 5], [1, 4, 2, 3, 0]), ("transposed", [3, 9], [4, 1]),
-               ("no_rows", [4], [0])]
+    shapes = GEMM_SHAPES if size == "full" else [s for s in GEMM_SHAPES if s[1] != "row_major"]
     cases = []
-    for dtype, dtype_layouts in _dtypes(size, layouts):
-        for tag, ids, nrows in dtype_layouts:
-            if tag == "transposed":  # b [S, K, M] as a transposed view: the kernel reads b's strides
-                store = torch.randn(S, M, K, generator=g).to(dtype)
-                b = store.transpose(1, 2)
-            else:
-                store = b = torch.randn(S, K, M, generator=g).to(dtype)
+    for dtype, dtype_shapes in _dtypes(size, shapes):
+        for mode, tag, S, K, M, ids, nrows, tail, grid in dtype_shapes:
+            if size == "small":
+                K = min(K, 24)
+            store, b = _weights(S, K, M, tag == "transposed", dtype, g)
             slot_ids, slot_rows = torch.tensor(ids), torch.tensor(nrows)
-            E = int(slot_rows.sum())
+            E = int(slot_rows.sum()) + tail
             a = torch.randn(E, K, generator=g).to(dtype)
             s0, s1, s2 = b.stride()
             params = _params(dtype, A=len(ids), E=E, K=K, M=M, S=S, b_s0=s0, b_s1=s1, b_s2=s2)
-            owns = slot_rows > 0  # a slot with no rows adds nothing (and the twin's view of it fails)
-            want = CPU.grouped_mm(a, b, slot_ids[owns], slot_rows[owns])
-            cases.append(Case(f"small_rows_{tag}_{DTYPE_NAMES[dtype]}", "small_rows", params,
-                              {"a": a, "b": store, "slot_ids": slot_ids, "slot_rows": slot_rows},
-                              {"out": want}, tol=_sum_tol(dtype, K)))
+            params |= {"mode": mode} | ({"max_blocks": grid} if grid else {})
+            ends = torch.cumsum(slot_rows, 0)
+            want = {"out": CPU.grouped_mm(a, b, *_owned(slot_ids, slot_rows)), "row_end": ends,
+                    "offs32": ends.int()}
+            cases.append(Case(f"grouped_mm_{mode}_{tag}_{DTYPE_NAMES[dtype]}", "grouped_mm", params,
+                              {"a": a, "b": store, "slot_ids": slot_ids, "slot_rows": slot_rows}, want,
+                              exact=("row_end", "offs32"), tol=_sum_tol(dtype, K)))
+    return cases
+
+
+def wgrad_cases(size: str) -> list[Case]:
+    """grouped_mm_wgrad's kernel: each listed slot's a^T grad over its rows (a slot with no rows
+    gets zeros, slots not listed keep theirs), K and M past one tile, the slots' grid-stride loop."""
+    g = torch.Generator().manual_seed(6)
+    S, K, M = 5, 70 if size == "full" else 20, 65
+    shapes = [("three", [3, 0, 4], [70, 0, 9], 2, None), ("grid_stride", [1, 2], [17, 3], 0, 1)]
+    cases = []
+    for dtype, dtype_shapes in _dtypes(size, shapes):
+        for tag, ids, nrows, tail, grid in dtype_shapes:
+            slot_ids, slot_rows = torch.tensor(ids), torch.tensor(nrows)
+            E = int(slot_rows.sum()) + tail
+            a, grad = torch.randn(E, K, generator=g).to(dtype), torch.randn(E, M, generator=g).to(dtype)
+            params = _params(dtype, A=len(ids), E=E, K=K, M=M, S=S) | ({"max_blocks": grid} if grid else {})
+            want = CPU.grouped_mm_wgrad(a, grad, *_owned(slot_ids, slot_rows), S)
+            cases.append(Case(f"wgrad_{tag}_{DTYPE_NAMES[dtype]}", "wgrad", params,
+                              {"a": a, "grad": grad, "slot_ids": slot_ids, "slot_rows": slot_rows}, {"out": want},
+                              tol=_sum_tol(dtype, max(nrows))))
     return cases
 
 
@@ -347,7 +395,8 @@ FAMILIES = {
     "routing_backward": routing_backward_cases,
     "group_plan": group_plan_cases,
     "gather_scatter_gate_grad": map_cases,
-    "small_rows": small_rows_cases,
+    "grouped_gemm": grouped_gemm_cases,
+    "wgrad": wgrad_cases,
     "activation": activation_cases,
 }
 

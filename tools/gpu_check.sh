@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the dispatch ops as one prepared run, for a machine with a CUDA or ROCm GPU
 # and a GPU build of torch (the device machine's python3, or your own): build the extension with
-# its GPU kernels, run the GPU cases of the tests, the dispatch benchmark on the GPU (bfloat16),
-# the reserved-memory test and a short soak. Writes logs and the benchmark's JSON under ${OUT:-gpu-check}.
+# its GPU kernels, the sync-free test (expert_mlp and tiny transformers models under CUDA's sync
+# debug mode "error"), the GPU cases of the tests, the dispatch benchmark on the GPU (bfloat16,
+# with torch._grouped_mm's row beside minagi's), the reserved-memory test and a short soak. Writes logs and the benchmark's JSON under ${OUT:-gpu-check}.
 #   bash tools/gpu_check.sh            (MINAGI_ARCHS=9.0 for an H100/H200, gfx1151 for Strix Halo)
 set -uo pipefail
 out=${OUT:-gpu-check}
@@ -19,10 +20,13 @@ MINAGI_REQUIRE_EXT=1 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 
   tail -40 "$out/build.log"; echo "gpu_check: build FAILED after $((SECONDS-start)) s"; exit 1; }
 echo "built in $((SECONDS-start)) s"
 "$py" -m minagi doctor 2>&1 | tee "$out/doctor.txt"
+echo "== sync-free: expert_mlp and tiny transformers models, forward and backward, sync debug mode 'error'"
+MINAGI_REQUIRE_EXT=1 timeout 600 "$py" -m pytest -q tests/test_gpu.py -p no:cacheprovider \
+  -k "never_synchronise or deterministic" 2>&1 | tee "$out/sync_free.log" | tail -15
 echo "== GPU tests"
 MINAGI_REQUIRE_EXT=1 timeout 900 "$py" -m pytest -q -x -k "cuda or test_gpu" tests -p no:cacheprovider \
   2>&1 | tee "$out/tests.log" | tail -25
-echo "== dispatch benchmark (GPU, bfloat16)"
+echo "== dispatch benchmark (GPU, bfloat16; the grouped_mm row is torch._grouped_mm's)"
 timeout 600 "$py" -m minagi.bench dispatch --device cuda --reps 10 --json "$out/bench_dispatch.json" \
   2>&1 | tee "$out/bench_dispatch.txt"
 echo "== writing on the GPU (the decode kernel: top_k experts' weights read in place)"

@@ -65,7 +65,7 @@ bitcode=$(dirname "$(find "$rocm" -name "oclc_isa_version_1151.bc" | head -1)")
 echo "rocm_build_check: $($clang --version | head -1); ROCm packages: $(tr '\n' ' ' < "$cache/unpacked")"
 
 # 3. Every family for every architecture; each object's code object must list the family's kernels.
-declare -A expect=([routing]=8 [grouping]=5 [gather]=12 [grouped_gemm]=4 [activation]=12)  # kernels x dtypes
+declare -A expect=([routing]=8 [grouping]=5 [gather]=12 [grouped_gemm]=13 [activation]=12)  # kernels x dtypes
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 status=0

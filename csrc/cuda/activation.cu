@@ -1,13 +1,13 @@
 // The expert forms on the GPU: grouped_mm_act (the first grouped GEMM, then its bias and
 // activation in one pass over its output) and expert_act_backward. The kernels are in
-// activation_kernels.cuh. Outputs are _bucket-sized allocations, as the other kernels' are.
+// activation_kernels.cuh. Each row's slot comes from the ranges summed on the device
+// (ranges.cuh): nothing is read on the host, nothing is copied to the device per call.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <vector>
-
 #include "activation_kernels.cuh"
 #include "launch.cuh"
+#include "ranges.cuh"
 
 namespace minagi {
 namespace {
@@ -16,22 +16,6 @@ at::Tensor grouped_mm_call(const at::Tensor& a, const at::Tensor& b, const at::T
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("minagi::grouped_mm", "").typed<
       at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   return op.call(a, b, ids, rows);
-}
-
-// The first row and the row count of every listed slot, on the device (slot_rows is on the host).
-std::pair<at::Tensor, at::Tensor> ranges(const at::Tensor& slot_rows, const at::Device& device, int64_t E,
-                                         const char* op) {
-  const at::Tensor rows = slot_rows.to(at::kCPU).contiguous();
-  const int64_t A = rows.size(0);
-  std::vector<int64_t> row0(A);
-  int64_t r = 0;
-  for (int64_t i = 0; i < A; ++i) {
-    row0[i] = r;
-    r += rows.data_ptr<int64_t>()[i];
-  }
-  TORCH_CHECK(r <= E, "minagi.", op, ": slot_rows sums to ", r, " rows but h has only ", E);
-  const auto lopt = at::TensorOptions().dtype(at::kLong);
-  return {at::tensor(row0, lopt).to(device), rows.to(device)};
 }
 
 std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cuda(const at::Tensor& a, const at::Tensor& b,
@@ -45,28 +29,44 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_act_cuda(const at::Tensor& a, cons
   const int64_t E = h.size(0), M = h.size(1), W = act_gated(act) ? M / 2 : M;
   at::Tensor out = gpu::bucketed_empty(E, {W}, a.options());
   if (E * W == 0) return {h, out};
-  at::Tensor bias, row_slot;
+  at::Tensor bias;
+  gpu::Ranges r;
   if (bias_in.has_value()) {
-    const at::Tensor ids = slot_ids.to(a.device()), rows = slot_rows.to(a.device());
-    const int64_t listed = slot_rows.to(at::kCPU).sum().item<int64_t>();  // slot_rows is on the host
-    if (listed == E) {
-      bias = bias_in->contiguous();
-      row_slot = at::repeat_interleave(ids, rows, 0, E);
-    } else {  // rows past the listed ranges (an exact plan's dropped pairs) take a zero row past the last slot
-      bias = at::cat({*bias_in, at::zeros({1, M}, bias_in->options())});
-      row_slot = at::full({E}, bias_in->size(0), ids.options());
-      row_slot.narrow(0, 0, listed).copy_(at::repeat_interleave(ids, rows, 0, listed));
-    }
+    bias = bias_in->contiguous();
+    r = gpu::device_ranges(slot_ids, slot_rows, E, a.device(), "grouped_mm_act", false);
   }
+  const int64_t A = bias.defined() ? r.ids.size(0) : 0;
   MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm_act_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     gpu::bias_act_kernel<scalar_t><<<gpu::blocks_for(E * W), gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         h.data_ptr<scalar_t>(), bias.defined() ? bias.data_ptr<scalar_t>() : nullptr,
-        row_slot.defined() ? row_slot.data_ptr<int64_t>() : nullptr, out.data_ptr<scalar_t>(), E, M,
-        static_cast<int>(act), static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
+        bias.defined() ? r.ids.data_ptr<int64_t>() : nullptr, bias.defined() ? r.row_end.data_ptr<int64_t>() : nullptr,
+        A, out.data_ptr<scalar_t>(), E, M, static_cast<int>(act), static_cast<acc_t>(alpha),
+        static_cast<acc_t>(limit));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {h, out};
+}
+
+// grad_bias [n_slots, M]: each listed slot's column sums of grad_h, in row order (no atomics, so
+// the bias's gradient has the same bits every run); zeros for slots not listed.
+at::Tensor bias_grad_cuda(const at::Tensor& gh, const at::Tensor& slot_ids, const at::Tensor& slot_rows,
+                          int64_t n_slots, const char* op) {
+  const int64_t E = gh.size(0), M = gh.size(1);
+  if (slot_ids.device().is_cpu() || debug_checks()) check_unique_slots_cpu(slot_ids.to(at::kCPU), n_slots, op);
+  const gpu::Ranges r = gpu::device_ranges(slot_ids, slot_rows, E, gh.device(), op, false);
+  at::Tensor gb = at::zeros({n_slots, M}, gh.options());
+  const int64_t A = r.ids.size(0);
+  if (A == 0 || M == 0) return gb;
+  const dim3 grid(static_cast<unsigned>((M + gpu::kThreads - 1) / gpu::kThreads),
+                  static_cast<unsigned>(std::min<int64_t>(A, gpu::kMaxBlocks)));
+  MINAGI_DISPATCH_FLOATING(gh.scalar_type(), "minagi_bias_grad_cuda", [&] {
+    gpu::bias_grad_kernel<scalar_t><<<grid, gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        gh.data_ptr<scalar_t>(), r.ids.data_ptr<int64_t>(), r.row_end.data_ptr<int64_t>(), A, M, n_slots,
+        gb.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return gb;
 }
 
 std::tuple<at::Tensor, at::Tensor> expert_act_backward_cuda(const at::Tensor& grad_in, const at::Tensor& h_in,
@@ -80,30 +80,18 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cuda(const at::Tensor& gr
   const at::Tensor grad = grad_in.contiguous(), h = h_in.contiguous();
   const int64_t E = h.size(0), M = h.size(1), W = act_gated(act) ? M / 2 : M;
   at::Tensor gh = gpu::bucketed_empty(E, {M}, h.options());
-  at::Tensor gb = bias_grad ? at::zeros({n_slots, M}, h.options()) : at::empty({0}, h.options());
-  if (bias_grad && (slot_ids.device().is_cpu() || debug_checks())) {
-    check_unique_slots_cpu(slot_ids.to(at::kCPU), n_slots, op);
-  }
-  const auto [row0, nrows] = ranges(slot_rows, h.device(), E, op);
-  if (E * W == 0) return {gh, gb};
-  MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_expert_act_backward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const auto stream = at::cuda::getCurrentCUDAStream();
-    gpu::act_backward_kernel<scalar_t><<<gpu::blocks_for(E * W), gpu::kThreads, 0, stream>>>(
-        grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), gh.data_ptr<scalar_t>(), E, M, static_cast<int>(act),
-        static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t A = slot_ids.size(0);
-    if (bias_grad && A > 0) {
-      const at::Tensor ids = slot_ids.to(h.device()).contiguous();
-      const dim3 grid(static_cast<unsigned>((M + gpu::kThreads - 1) / gpu::kThreads), static_cast<unsigned>(A));
-      gpu::bias_grad_kernel<scalar_t><<<grid, gpu::kThreads, 0, stream>>>(
-          gh.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), row0.data_ptr<int64_t>(), nrows.data_ptr<int64_t>(), M,
-          n_slots, gb.data_ptr<scalar_t>());
+  if (E * W > 0) {
+    MINAGI_DISPATCH_FLOATING(h.scalar_type(), "minagi_expert_act_backward_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      gpu::act_backward_kernel<scalar_t><<<gpu::blocks_for(E * W), gpu::kThreads, 0,
+                                           at::cuda::getCurrentCUDAStream()>>>(
+          grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), gh.data_ptr<scalar_t>(), E, M, static_cast<int>(act),
+          static_cast<acc_t>(alpha), static_cast<acc_t>(limit));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  });
-  return {gh, gb};
+    });
+  }
+  if (!bias_grad) return {gh, at::empty({0}, h.options())};
+  return {gh, bias_grad_cuda(gh, slot_ids, slot_rows, n_slots, op)};
 }
 
 }  // namespace

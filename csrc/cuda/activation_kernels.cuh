@@ -1,21 +1,25 @@
 // The expert forms' kernels (csrc/activation.h holds the math): the first layer's bias and
 // activation over its GEMM's output, the activation's backward, and the bias's gradient as
 // per-slot column sums. Elementwise and one writer per element, so the bits are the same every
-// run. Launched from activation.cu.
+// run. A row's slot comes from the ranges' ends on the device (grouped_gemm_kernels.cuh's
+// group_offsets_kernel), never from the host. Launched from activation.cu.
 #pragma once
 
 #include "../activation.h"
+#include "grouped_gemm_kernels.cuh"
 #include "kernel_prelude.cuh"
 
 namespace minagi {
 namespace gpu {
 
 // h [E, M] (bias added in place, for the backward), out [E, W]: W = M / 2 for the gated forms.
-// row_slot [E]: each row's slot, for the bias (null without one).
+// bias [S, M] (null without one): row e takes its listed slot's, slot_ids[i] for the range
+// row_end [A] puts it in; rows past the listed ranges take none.
 template <typename scalar_t>
 __global__ void bias_act_kernel(scalar_t* __restrict__ h, const scalar_t* __restrict__ bias,
-                                const int64_t* __restrict__ row_slot, scalar_t* __restrict__ out, int64_t E,
-                                int64_t M, int act_id, opmath_t<scalar_t> alpha, opmath_t<scalar_t> limit) {
+                                const int64_t* __restrict__ slot_ids, const int64_t* __restrict__ row_end, int64_t A,
+                                scalar_t* __restrict__ out, int64_t E, int64_t M, int act_id,
+                                opmath_t<scalar_t> alpha, opmath_t<scalar_t> limit) {
   using acc_t = opmath_t<scalar_t>;
   const Act act = static_cast<Act>(act_id);
   const bool gated = act_gated(act);
@@ -24,7 +28,8 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ h, const scalar_t* __rest
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e = i / W, j = i - e * W;
     scalar_t* hr = h + e * M;
-    const scalar_t* br = bias == nullptr ? nullptr : bias + row_slot[e] * M;
+    const int64_t s = bias == nullptr ? A : find_range(row_end, A, e);
+    const scalar_t* br = s < A ? bias + slot_ids[s] * M : nullptr;
     if (!gated) {
       acc_t v = static_cast<acc_t>(hr[j]);
       if (br != nullptr) {
@@ -73,21 +78,23 @@ __global__ void act_backward_kernel(const scalar_t* __restrict__ grad, const sca
   }
 }
 
-// grad_bias[slot_ids[i], m] = sum of grad_h[row0[i] + r, m] over the slot's rows, in row order:
-// block (x, i) takes blockDim.x columns of listed slot i, a thread per column.
+// grad_bias[slot_ids[i], m] = sum of grad_h[r, m] over listed slot i's rows (row_end [A] ends
+// them), in row order: a fixed order, no atomics, so the bits are the same every run. Block
+// (x, i) takes blockDim.x columns of listed slot i, a thread per column; grid-stride over i.
 template <typename scalar_t>
 __global__ void bias_grad_kernel(const scalar_t* __restrict__ grad_h, const int64_t* __restrict__ slot_ids,
-                                 const int64_t* __restrict__ row0, const int64_t* __restrict__ nrows, int64_t M,
-                                 int64_t S, scalar_t* __restrict__ grad_bias) {
+                                 const int64_t* __restrict__ row_end, int64_t A, int64_t M, int64_t S,
+                                 scalar_t* __restrict__ grad_bias) {
   using acc_t = opmath_t<scalar_t>;
-  const int64_t i = blockIdx.y;
   const int64_t m = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (m >= M) return;
-  const int64_t slot = slot_ids[i];
-  CUDA_KERNEL_ASSERT(slot >= 0 && slot < S && "minagi.expert_act_backward: slot_ids outside [0, n_slots)");
-  acc_t acc = 0;
-  for (int64_t r = row0[i]; r < row0[i] + nrows[i]; ++r) acc += static_cast<acc_t>(grad_h[r * M + m]);
-  grad_bias[slot * M + m] = static_cast<scalar_t>(acc);
+  for (int64_t i = blockIdx.y; i < A; i += gridDim.y) {
+    const int64_t slot = slot_ids[i];
+    CUDA_KERNEL_ASSERT(slot >= 0 && slot < S && "minagi.expert_act_backward: slot_ids outside [0, n_slots)");
+    acc_t acc = 0;
+    for (int64_t r = i > 0 ? row_end[i - 1] : 0; r < row_end[i]; ++r) acc += static_cast<acc_t>(grad_h[r * M + m]);
+    grad_bias[slot * M + m] = static_cast<scalar_t>(acc);
+  }
 }
 
 }  // namespace gpu

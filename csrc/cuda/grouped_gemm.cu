@@ -1,89 +1,87 @@
-// Grouped GEMM on the GPU: per group (a run of slots with equal rows in the plan), one batched
-// matmul through ATen and the vendor BLAS (cuBLAS / hipBLASLt) at the group's bucketed
-// capacity. The listed slots' weights are gathered once per call into one buffer that every
-// group takes a view of. The group sizes are read from slot_rows on the host: group_plan
-// returns it there, so this adds no synchronisation.
-//
-// Decoding (a handful of rows per slot: one character puts one row in each of its top_k slots)
-// takes a kernel of its own (grouped_gemm_kernels.cuh) that reads each listed slot's weights in
-// place, once, like the CPU's small_rows_mm: the gather + bmm would read every weight, write a
-// copy and read it again.
+// Grouped GEMM on the GPU, with no host read of the plan and no copy of the weights: the listed
+// slots' row ranges are summed on the device (ranges.cuh), every grid is sized from the shapes,
+// and the kernels (grouped_gemm_kernels.cuh) read each slot's weights in place from b[slot_ids[i]].
+//   - torch._grouped_mm where torch has a native kernel for it (CUDA sm90 / sm100, bfloat16,
+//     16-byte aligned operands) and every slot of b is listed (A == S, as in the exact plan, which
+//     lists them in id order): its offsets are the ranges' ends, and b is passed as it is. A
+//     listed slot whose id is not its position (possible in a plan of another order) is then
+//     recomputed by the own kernel, which also zeroes the rows past the ranges.
+//   - Up to kSmallRowsMaxE rows in all (decoding): small_rows_kernel, a few rows per slot.
+//   - Otherwise grouped_gemm_kernel's 64 x 64 tiles.
+// The weight gradient is wgrad_kernel's, each listed slot's sum in row order.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
 
-#include <vector>
+#include <cstdint>
 
 #include "grouped_gemm_kernels.cuh"
 #include "launch.cuh"
+#include "ranges.cuh"
 
 namespace minagi {
 namespace {
 
-struct Group {
-  int64_t slot0, slots, rows, row0;  // first listed slot, how many, rows each, first buffer row
-};
+constexpr int64_t kSmallRowsMaxE = 64;  // rows of a call up to which the decode kernel runs
 
-// The plan's groups from slot_rows on the host (a device slot_rows is copied over: one sync).
-std::vector<Group> host_groups(const at::Tensor& slot_ids, const at::Tensor& slot_rows_in, int64_t E,
-                               const char* op) {
-  check_dim(slot_ids, 1, op, "slot_ids");
-  check_dim(slot_rows_in, 1, op, "slot_rows");
-  check_index(slot_ids, op, "slot_ids");
-  check_index(slot_rows_in, op, "slot_rows");
-  TORCH_CHECK(slot_ids.size(0) == slot_rows_in.size(0), "minagi.", op, ": slot_ids (", slot_ids.size(0),
-              ") and slot_rows (", slot_rows_in.size(0), ") must have one length");
-  const at::Tensor rows = slot_rows_in.to(at::kCPU).contiguous();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  std::vector<Group> groups;
-  int64_t row = 0;
-  for (int64_t i = 0; i < rows.size(0); ++i) {
-    TORCH_CHECK(rp[i] >= 0, "minagi.", op, ": slot_rows holds ", rp[i], " at position ", i,
-                "; row counts must be >= 0");
-    if (!groups.empty() && groups.back().rows == rp[i]) {
-      ++groups.back().slots;
-    } else {
-      groups.push_back({i, 1, rp[i], row});
-    }
-    row += rp[i];
-  }
-  TORCH_CHECK(row <= E, "minagi.", op, ": slot_rows sums to ", row, " rows but the input has only ", E, " rows");
-  return groups;
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// A 16-byte aligned row- or column-major matrix of bfloat16 in its last two dims (torch._grouped_mm's rule).
+bool grouped_mm_layout(const at::Tensor& t) {
+  const int64_t d = t.dim(), rows = t.size(d - 2), cols = t.size(d - 1), s_r = t.stride(d - 2), s_c = t.stride(d - 1);
+  const bool row_major = s_c == 1 && s_r >= std::max<int64_t>(1, cols) && s_r % 8 == 0;
+  const bool col_major = s_r == 1 && s_c >= std::max<int64_t>(1, rows) && s_c % 8 == 0;
+  return (row_major || col_major) && aligned16(t) && (d == 2 || t.stride(0) % 8 == 0);
 }
 
-// The rows the listed ranges cover; those past them (an exact plan's dropped pairs) own no slot.
-int64_t listed_rows(const std::vector<Group>& groups) {
-  return groups.empty() ? 0 : groups.back().row0 + groups.back().slots * groups.back().rows;
+// Whether torch._grouped_mm computes this call without a copy of b: decided from the device's
+// architecture, the dtype and the shapes, never from the plan's values.
+bool native_grouped_mm(const at::Tensor& a, const at::Tensor& b, int64_t A) {
+#if defined(USE_ROCM)
+  (void)a, (void)b, (void)A;
+  return false;
+#else
+  if (a.scalar_type() != at::kBFloat16 || A != b.size(0) || a.size(0) == 0 || a.size(1) == 0 || b.size(2) == 0) {
+    return false;
+  }
+  if (!grouped_mm_layout(a) || !grouped_mm_layout(b) || b.size(2) % 8 != 0) return false;
+  const int major = at::cuda::getDeviceProperties(a.get_device())->major;
+  return major == 9 || major == 10;  // CUTLASS grouped kernels with device offsets
+#endif
 }
 
-// The decode case: every listed slot owns at most kSmallRows rows (and the slots fit one grid).
-bool small_rows_case(const std::vector<Group>& groups, int64_t A) {
-  if (A > gpu::kMaxBlocks) return false;
-  for (const Group& g : groups) {
-    if (g.rows > gpu::kSmallRows) return false;
-  }
-  return true;
-}
-
-void small_rows_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_ids,
-                        const std::vector<Group>& groups, int64_t A, at::Tensor& out) {
-  std::vector<int64_t> row0(A), nrows(A);
-  for (const Group& g : groups) {
-    for (int64_t j = 0; j < g.slots; ++j) {
-      row0[g.slot0 + j] = g.row0 + j * g.rows;
-      nrows[g.slot0 + j] = g.rows;
-    }
-  }
-  const auto lopt = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor r0 = at::tensor(row0, lopt).to(a.device()), nr = at::tensor(nrows, lopt).to(a.device());
-  const at::Tensor ids = slot_ids.to(a.device()).contiguous();
-  const int64_t K = a.size(1), M = b.size(2);
-  const dim3 grid(static_cast<unsigned>((M + gpu::kThreads - 1) / gpu::kThreads), static_cast<unsigned>(A));
-  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm_cuda", [&] {
-    gpu::small_rows_kernel<scalar_t><<<grid, gpu::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+void launch_tiled(const at::Tensor& a, const at::Tensor& b, const gpu::Ranges& r, bool skip_identity,
+                  at::Tensor& out) {
+  const int64_t E = a.size(0), K = a.size(1), M = b.size(2), A = r.ids.size(0);
+  const dim3 grid(static_cast<unsigned>((M + gpu::kTileN - 1) / gpu::kTileN),
+                  static_cast<unsigned>(std::min<int64_t>(gpu::row_tile_bound(E, A), gpu::kMaxBlocks)));
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_gemm_cuda", [&] {
+    gpu::grouped_gemm_kernel<scalar_t><<<grid, gpu::kTileThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), b.stride(0), b.stride(1), b.stride(2),
-        ids.data_ptr<int64_t>(), r0.data_ptr<int64_t>(), nr.data_ptr<int64_t>(), K, M, b.size(0),
-        out.data_ptr<scalar_t>());
+        r.ids.data_ptr<int64_t>(), r.row_end.data_ptr<int64_t>(), r.tile_end.data_ptr<int64_t>(), A, E, K, M,
+        b.size(0), skip_identity, out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+void launch_small_rows(const at::Tensor& a, const at::Tensor& b, const gpu::Ranges& r, at::Tensor& out) {
+  const int64_t E = a.size(0), K = a.size(1), M = b.size(2), A = r.ids.size(0);
+  const dim3 grid(static_cast<unsigned>((M + gpu::kTileThreads - 1) / gpu::kTileThreads),
+                  static_cast<unsigned>(std::clamp<int64_t>(A, 1, gpu::kMaxBlocks)));
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_small_rows_mm_cuda", [&] {
+    gpu::small_rows_kernel<scalar_t><<<grid, gpu::kTileThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), b.stride(0), b.stride(1), b.stride(2),
+        r.ids.data_ptr<int64_t>(), r.row_end.data_ptr<int64_t>(), A, E, K, M, b.size(0), out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void check_ids(const at::Tensor& slot_ids, int64_t S, const char* op) {
+  if (slot_ids.device().is_cpu()) {
+    check_range_cpu(slot_ids.contiguous(), 0, S, op, "slot_ids");
+  } else {
+    debug_check_range(slot_ids, 0, S, op, "slot_ids");  // else the kernels' device asserts
+  }
 }
 
 at::Tensor grouped_mm_cuda(const at::Tensor& a_in, const at::Tensor& b, const at::Tensor& slot_ids,
@@ -93,29 +91,21 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a_in, const at::Tensor& b, const at
   gpu::check_cuda(a_in, op, "a");
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous();
-  const auto groups = host_groups(slot_ids, slot_rows, a.size(0), op);  // checks slot_ids' shape first
-  const int64_t E = a.size(0), K = a.size(1), M = b.size(2), A = slot_ids.size(0);
-  if (slot_ids.device().is_cpu()) {
-    check_range_cpu(slot_ids.contiguous(), 0, b.size(0), op, "slot_ids");
-  } else {
-    debug_check_range(slot_ids, 0, b.size(0), op, "slot_ids");
-  }
-  at::Tensor out = gpu::bucketed_empty(E, {M}, a.options());
-  if (E == 0) return out;
-  const int64_t listed = listed_rows(groups);
-  if (listed < E) out.narrow(0, listed, E - listed).zero_();
-  if (small_rows_case(groups, A)) {
-    small_rows_mm_cuda(a, b, slot_ids, groups, A, out);
+  const int64_t E = a.size(0), M = b.size(2);
+  const bool native = native_grouped_mm(a, b, slot_ids.dim() == 1 ? slot_ids.size(0) : -1);
+  const gpu::Ranges r = gpu::device_ranges(slot_ids, slot_rows, E, a.device(), op, native);
+  check_ids(slot_ids, b.size(0), op);
+  if (E == 0 || M == 0) return gpu::bucketed_empty(E, {M}, a.options());
+  if (native) {
+    at::Tensor out = at::_grouped_mm(a, b, r.offs32);
+    launch_tiled(a, b, r, /*skip_identity=*/true, out);
     return out;
   }
-  // Every listed slot's weights once, in plan order (out-of-range ids trip index_select's check).
-  at::Tensor w = gpu::bucketed_empty(A, {K, M}, b.options());
-  at::index_select_out(w, b, 0, slot_ids.to(a.device()));
-  for (const Group& g : groups) {
-    if (g.rows == 0) continue;
-    const int64_t n = g.slots * g.rows;
-    at::Tensor o = out.narrow(0, g.row0, n).view({g.slots, g.rows, M});
-    at::bmm_out(o, a.narrow(0, g.row0, n).view({g.slots, g.rows, K}), w.narrow(0, g.slot0, g.slots));
+  at::Tensor out = gpu::bucketed_empty(E, {M}, a.options());
+  if (E <= kSmallRowsMaxE) {
+    launch_small_rows(a, b, r, out);
+  } else {
+    launch_tiled(a, b, r, /*skip_identity=*/false, out);
   }
   return out;
 }
@@ -127,28 +117,25 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a_in, const at::Tensor& grad_
   gpu::check_cuda(a_in, op, "a");
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), grad = grad_in.contiguous();
-  const auto groups = host_groups(slot_ids, slot_rows, a.size(0), op);  // checks slot_ids' shape first
-  const int64_t E = a.size(0), K = a.size(1), M = grad.size(1), A = slot_ids.size(0);
-  // Unique and in range, as the CPU kernel requires: index_copy_ below would keep one of two
-  // writes to a slot listed twice. Checked on the host where the ids are (a plan's are on the
-  // device: there MINAGI_DEBUG_CHECKS=1 copies them over).
+  const int64_t E = a.size(0), K = a.size(1), M = grad.size(1);
+  const gpu::Ranges r = gpu::device_ranges(slot_ids, slot_rows, E, a.device(), op, false);
+  const int64_t A = r.ids.size(0);
+  // Unique and in range, as the CPU kernel requires: a slot listed twice would have two writers.
+  // Checked on the host where the ids are (a plan's are on the device: there
+  // MINAGI_DEBUG_CHECKS=1 copies them over; else the kernel's device assert checks the range).
   if (slot_ids.device().is_cpu() || debug_checks()) check_unique_slots_cpu(slot_ids.to(at::kCPU), n_slots, op);
   at::Tensor out = at::zeros({n_slots, K, M}, a.options());
-  if (A == 0) return out;
-  // Each listed slot's gradient in plan order, then one copy to its slot (ids are unique in a
-  // plan, so the copy has no write conflicts and is deterministic).
-  at::Tensor part = gpu::bucketed_empty(A, {K, M}, a.options());
-  for (const Group& g : groups) {
-    at::Tensor o = part.narrow(0, g.slot0, g.slots);
-    if (g.rows == 0) {
-      o.zero_();
-      continue;
-    }
-    const int64_t n = g.slots * g.rows;
-    at::bmm_out(o, a.narrow(0, g.row0, n).view({g.slots, g.rows, K}).transpose(1, 2),
-                grad.narrow(0, g.row0, n).view({g.slots, g.rows, M}));
-  }
-  out.index_copy_(0, slot_ids.to(a.device()), part);
+  if (A == 0 || K == 0 || M == 0) return out;
+  const int64_t k_tiles = (K + gpu::kTileM - 1) / gpu::kTileM;
+  TORCH_CHECK(k_tiles <= gpu::kMaxBlocks, "minagi.", op, ": a has too many columns (", K, ")");
+  const dim3 grid(static_cast<unsigned>((M + gpu::kTileN - 1) / gpu::kTileN), static_cast<unsigned>(k_tiles),
+                  static_cast<unsigned>(std::min<int64_t>(A, gpu::kMaxBlocks)));
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_grouped_mm_wgrad_cuda", [&] {
+    gpu::wgrad_kernel<scalar_t><<<grid, gpu::kTileThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        a.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), r.ids.data_ptr<int64_t>(), r.row_end.data_ptr<int64_t>(),
+        A, K, M, n_slots, out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return out;
 }
 

@@ -1,9 +1,11 @@
 // Load grouping on the GPU: slot_idx [N, k] -> the dispatch plan (see the schema in ops.cpp),
 // computed on the device by the four kernels of grouping_kernels.cuh (a stable counting sort in
 // chunks of kChunk pairs).
-// The one device-to-host copy brings the plan's sizes (active slots, buffer rows, rows per
-// slot) to the host, where the grouped GEMM needs them to size its batched matmuls; so
-// slot_rows comes back on the CPU. Nothing else synchronises.
+// An exact plan (bucketed=False) lists every slot in id order and has a row per pair: its sizes
+// come from the shapes, so it reads nothing on the host and its slot_rows stays on the device
+// (the grouped GEMMs sum the ranges there). A bucketed plan's sizes depend on the routing: its
+// one device-to-host copy brings them (active slots, buffer rows, rows per slot) to the host, and
+// its slot_rows comes back on the CPU.
 #include <torch/library.h>
 
 #include "grouping_kernels.cuh"
@@ -48,12 +50,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_pla
       start.data_ptr<int64_t>(), meta.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  // The one synchronisation: the plan's sizes, for the host that sizes the batched matmuls.
-  const at::Tensor meta_host = meta.to(at::kCPU);
-  const int64_t A = meta_host.data_ptr<int64_t>()[0], E = meta_host.data_ptr<int64_t>()[1];
-  at::Tensor slot_rows = meta_host.narrow(0, 2, A).clone();
-  at::Tensor slot_order = gpu::plain_rows(order_buf, A);
-  at::Tensor row_pair = gpu::bucketed_empty(bucketed ? E : R, {}, lopt).fill_(-1);
+  int64_t A = S, E = R;
+  at::Tensor slot_rows, slot_order;
+  if (bucketed) {  // the one synchronisation: the plan's data-dependent sizes
+    const at::Tensor meta_host = meta.to(at::kCPU);
+    A = meta_host.data_ptr<int64_t>()[0];
+    E = meta_host.data_ptr<int64_t>()[1];
+    slot_rows = meta_host.narrow(0, 2, A).clone();
+    slot_order = gpu::plain_rows(order_buf, A);
+  } else {  // every slot in id order, its kept load as its rows
+    slot_rows = load.clone();
+    slot_order = order_buf;
+  }
+  at::Tensor row_pair = gpu::bucketed_empty(E, {}, lopt).fill_(-1);
   at::Tensor dest = at::empty({N, k}, lopt);
   if (R > 0) {
     gpu::fill_kernel<<<n_chunks, gpu::kChunk, 0, stream>>>(idx.data_ptr<int64_t>(), R, S, n_chunks, chunk_count.data_ptr<int>(),

@@ -6,8 +6,10 @@
 // geometry (csrc/cuda/launch_geometry.h); outputs the launcher takes from at::empty start as
 // 0xFF bytes, so an element no thread writes shows.
 //   run_kernels [--resident-blocks R] CASE_DIR...
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -194,26 +196,90 @@ void run_gate_grad(const Case& c) {
   c.write("out", out);
 }
 
-// small_rows_mm_cuda: each listed slot's first row and row count, one block column per slot.
+// ranges.cuh: the listed slots' running row and tile counts (and int32 offsets), on the device.
+struct Ranges {
+  std::vector<int64_t> row_end, tile_end;
+  std::vector<int> offs32;
+};
+
+Ranges run_offsets(const std::vector<int64_t>& rows, int64_t E) {
+  const int64_t A = static_cast<int64_t>(rows.size());
+  Ranges r{empty<int64_t>(A), empty<int64_t>(A), empty<int>(A)};
+  if (A > 0) {
+    launch(group_offsets_kernel<kOffsetThreads>, dim3(1), dim3(kOffsetThreads), 0, rows.data(), A, E,
+           r.row_end.data(), r.tile_end.data(), r.offs32.data());
+  }
+  return r;
+}
+
+// torch._grouped_mm's part of the native path, on the host: listed position i's rows times b[i]
+// (right where slot_ids[i] == i), the rows past the ranges left unwritten (poison).
 template <typename scalar_t>
-void run_small_rows(const Case& c) {
+void host_identity_mm(const std::vector<scalar_t>& a, const std::vector<scalar_t>& b, int64_t s0, int64_t s1,
+                      int64_t s2, const std::vector<int64_t>& row_end, int64_t K, int64_t M, std::vector<scalar_t>& out) {
+  using acc_t = opmath_t<scalar_t>;
+  for (size_t i = 0; i < row_end.size(); ++i) {
+    for (int64_t r = i > 0 ? row_end[i - 1] : 0; r < row_end[i]; ++r) {
+      for (int64_t m = 0; m < M; ++m) {
+        acc_t acc = 0;
+        for (int64_t k = 0; k < K; ++k)
+          acc += static_cast<acc_t>(a[r * K + k]) * static_cast<acc_t>(b[i * s0 + k * s1 + m * s2]);
+        out[r * M + m] = static_cast<scalar_t>(acc);
+      }
+    }
+  }
+}
+
+// grouped_gemm.cu's grouped_mm_cuda: the ranges, then (mode) the decode kernel ("small"), the
+// tiled kernel ("tiled"), or torch._grouped_mm's identity part and the tiled kernel's fix-up of
+// the slots whose id is not their position, with the tail ("native"). b is stored as `store`
+// with the strides b_s0..2 (a transposed view reads the same bytes).
+template <typename scalar_t>
+void run_grouped_mm(const Case& c) {
   const int64_t A = c.num("A"), E = c.num("E"), K = c.num("K"), M = c.num("M"), S = c.num("S");
   const int64_t s0 = c.num("b_s0"), s1 = c.num("b_s1"), s2 = c.num("b_s2");
+  const std::string& mode = c.str("mode");
   const auto a = c.read<scalar_t>("a", E * K), b = c.read<scalar_t>("b", S * K * M);
   const auto ids = c.read<int64_t>("slot_ids", A), rows = c.read<int64_t>("slot_rows", A);
-  std::vector<int64_t> row0(A);
-  for (int64_t i = 0, r = 0; i < A; r += rows[i], ++i) row0[i] = r;
+  const Ranges r = run_offsets(rows, E);
   auto out = empty<scalar_t>(E * M);
-  if (E > 0) {
-    const dim3 grid(static_cast<unsigned>((M + kThreads - 1) / kThreads), static_cast<unsigned>(A));
-    launch(small_rows_kernel<scalar_t>, grid, dim3(kThreads), 0, a.data(), b.data(), s0, s1, s2, ids.data(),
-           row0.data(), rows.data(), K, M, S, out.data());
+  if (mode == "native") host_identity_mm(a, b, s0, s1, s2, r.row_end, K, M, out);
+  if (E > 0 && M > 0 && mode == "small") {
+    const dim3 grid(static_cast<unsigned>((M + kTileThreads - 1) / kTileThreads),
+                    static_cast<unsigned>(std::clamp<int64_t>(A, 1, max_blocks(c))));
+    launch(small_rows_kernel<scalar_t>, grid, dim3(kTileThreads), 0, a.data(), b.data(), s0, s1, s2, ids.data(),
+           r.row_end.data(), A, E, K, M, S, out.data());
+  } else if (E > 0 && M > 0) {
+    const dim3 grid(static_cast<unsigned>((M + kTileN - 1) / kTileN),
+                    static_cast<unsigned>(std::min<int64_t>(row_tile_bound(E, A), max_blocks(c))));
+    launch(grouped_gemm_kernel<scalar_t>, grid, dim3(kTileThreads), 0, a.data(), b.data(), s0, s1, s2, ids.data(),
+           r.row_end.data(), r.tile_end.data(), A, E, K, M, S, mode == "native", out.data());
+  }
+  c.write("out", out);
+  c.write("row_end", r.row_end);
+  c.write("offs32", r.offs32);
+}
+
+// grouped_mm_wgrad_cuda: zeros, then each listed slot's a^T @ grad over its rows.
+template <typename scalar_t>
+void run_wgrad(const Case& c) {
+  const int64_t A = c.num("A"), E = c.num("E"), K = c.num("K"), M = c.num("M"), S = c.num("S");
+  const auto a = c.read<scalar_t>("a", E * K), grad = c.read<scalar_t>("grad", E * M);
+  const auto ids = c.read<int64_t>("slot_ids", A), rows = c.read<int64_t>("slot_rows", A);
+  const Ranges r = run_offsets(rows, E);
+  std::vector<scalar_t> out(S * K * M, scalar_t(0));
+  if (A > 0 && K > 0 && M > 0) {
+    const dim3 grid(static_cast<unsigned>((M + kTileN - 1) / kTileN), static_cast<unsigned>((K + kTileM - 1) / kTileM),
+                    static_cast<unsigned>(std::min<int64_t>(A, max_blocks(c))));
+    launch(wgrad_kernel<scalar_t>, grid, dim3(kTileThreads), 0, a.data(), grad.data(), ids.data(), r.row_end.data(),
+           A, K, M, S, out.data());
   }
   c.write("out", out);
 }
 
 // activation.cu's grouped_mm_act epilogue (bias + activation over the GEMM's output, h in place)
-// and expert_act_backward (the activation's backward, then the bias gradient per listed slot).
+// and expert_act_backward (the activation's backward, then the bias gradient per listed slot),
+// each row's slot found from the ranges' ends.
 template <typename scalar_t>
 void run_activation(const Case& c) {
   using acc_t = opmath_t<scalar_t>;
@@ -223,23 +289,20 @@ void run_activation(const Case& c) {
   auto h = c.read<scalar_t>("h", E * M);
   const auto bias = c.read<scalar_t>("bias", S * M), grad = c.read<scalar_t>("grad", E * W);
   const auto ids = c.read<int64_t>("slot_ids", A), rows = c.read<int64_t>("slot_rows", A);
-  std::vector<int64_t> row0(A), row_slot;
-  for (int64_t i = 0, r = 0; i < A; r += rows[i], ++i) {
-    row0[i] = r;
-    row_slot.insert(row_slot.end(), rows[i], ids[i]);
-  }
+  const Ranges r = run_offsets(rows, E);
   auto out = empty<scalar_t>(E * W), grad_h = empty<scalar_t>(E * M);
   std::vector<scalar_t> grad_bias(S * M, scalar_t(0));
   if (E * W > 0) {
     const dim3 grid(static_cast<unsigned>(blocks_for(E * W, kThreads, max_blocks(c))));
-    launch(bias_act_kernel<scalar_t>, grid, dim3(kThreads), 0, h.data(), bias.data(), row_slot.data(), out.data(), E,
-           M, static_cast<int>(act), alpha, limit);
+    launch(bias_act_kernel<scalar_t>, grid, dim3(kThreads), 0, h.data(), bias.data(), ids.data(), r.row_end.data(), A,
+           out.data(), E, M, static_cast<int>(act), alpha, limit);
     launch(act_backward_kernel<scalar_t>, grid, dim3(kThreads), 0, grad.data(), h.data(), grad_h.data(), E, M,
            static_cast<int>(act), alpha, limit);
     if (A > 0) {
-      const dim3 bgrid(static_cast<unsigned>((M + kThreads - 1) / kThreads), static_cast<unsigned>(A));
-      launch(bias_grad_kernel<scalar_t>, bgrid, dim3(kThreads), 0, grad_h.data(), ids.data(), row0.data(),
-             rows.data(), M, S, grad_bias.data());
+      const dim3 bgrid(static_cast<unsigned>((M + kThreads - 1) / kThreads),
+                       static_cast<unsigned>(std::min<int64_t>(A, max_blocks(c))));
+      launch(bias_grad_kernel<scalar_t>, bgrid, dim3(kThreads), 0, grad_h.data(), ids.data(), r.row_end.data(), A, M,
+             S, grad_bias.data());
     }
   }
   c.write("h", h);
@@ -279,7 +342,8 @@ void run_floating(const Case& c, const std::string& kernel) {
   if (kernel == "gather") return run_gather<scalar_t>(c);
   if (kernel == "scatter") return run_scatter<scalar_t>(c);
   if (kernel == "gate_grad") return run_gate_grad<scalar_t>(c);
-  if (kernel == "small_rows") return run_small_rows<scalar_t>(c);
+  if (kernel == "grouped_mm") return run_grouped_mm<scalar_t>(c);
+  if (kernel == "wgrad") return run_wgrad<scalar_t>(c);
   if (kernel == "activation") return run_activation<scalar_t>(c);
   throw std::runtime_error("unknown kernel " + kernel);
 }

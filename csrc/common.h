@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "activation.h"
-#include "sizes.h"  // bucket
+#include "sizes.h"  // bucket, kSmallRows
 
 #if defined(__linux__)
 #include <sys/mman.h>

@@ -1,6 +1,7 @@
 // Sizes that the CPU kernels, the GPU kernels and the emulator agree on, defined once: bucket(),
-// the rows of a buffer allocated for n. No torch here, so the GPU kernel headers can take it in
-// every build (torch, emulator, HIP alone), as they take csrc/activation.h. Python's twin of bucket() is
+// the rows of a buffer allocated for n, and kSmallRows, the rows per slot up to which a grouped
+// GEMM takes its few-row kernels. No torch here, so the GPU kernel headers can take it in every
+// build (torch, emulator, HIP alone), as they take csrc/activation.h. Python's twin of bucket() is
 // minagi/reference.py's; tests/test_ops.py checks the two agree.
 #pragma once
 
@@ -25,5 +26,10 @@ MINAGI_SIZES_HD inline int64_t bucket(int64_t n) {
   }
   return ((n + 127) / 128) * 128;
 }
+
+// A grouped GEMM's ranges of at most this many rows (writing one character puts one row in each
+// of its top_k slots) take the few-row kernels, which read each slot's weights once, in place:
+// csrc/cpu/slot_gemm.h's on the CPU, csrc/cuda/grouped_gemm_kernels.cuh's on GPUs.
+constexpr int64_t kSmallRows = 4;
 
 }  // namespace minagi

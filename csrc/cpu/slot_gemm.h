@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../sizes.h"  // kSmallRows
 #include "bf16_gemm.h"
 #include "rows.h"
 #include "scheduling.h"
@@ -27,7 +28,6 @@ namespace {
 // once. Writing one character puts one row in each of its top_k slots, and there a BLAS call
 // (which packs or re-reads b) reached about half the memory bandwidth of a plain pass over b;
 // the weights' bytes are the whole cost of such a product.
-constexpr int64_t kSmallRows = 4;
 constexpr int64_t kSmallCols = 1024;  // the accumulators stay in L1
 
 template <typename scalar_t>

@@ -9,7 +9,7 @@
 namespace minagi {
 namespace gpu {
 
-constexpr int64_t kSmallRows = 4;  // rows per slot up to which the in-place kernel runs (as on the CPU)
+using ::minagi::kSmallRows;  // csrc/sizes.h: rows per slot up to which the in-place kernel runs (as on the CPU)
 
 // out[row0[i] + r] = a[row0[i] + r] @ b[slot_ids[i]] for r < nrows[i] <= kSmallRows: block (x, i)
 // computes blockDim.x output columns of listed slot i, each thread reading its column of the

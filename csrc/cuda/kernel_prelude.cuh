@@ -1,6 +1,6 @@
 // What the kernel headers (*_kernels.cuh) take from torch, and from nowhere else: the device
-// assert, the op-math type, shared memory and a NaN test (bucket comes from csrc/sizes.h,
-// the same in every build). Three builds include the kernels:
+// assert, the op-math type, shared memory and a NaN test (bucket and kSmallRows come from
+// csrc/sizes.h, the same in every build). Three builds include the kernels:
 //   - the torch launchers (*.cu, nvcc or hipified for ROCm): everything comes from c10 / ATen;
 //   - MINAGI_EMULATOR (csrc/emu/emulator.h, the host compiler): plain definitions, the emulator's
 //     thread model and shared memory;
@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "../sizes.h"  // bucket: the host's, the kernels' and the emulator's one definition
+#include "../sizes.h"  // bucket, kSmallRows: the host's, the kernels' and the emulator's one definition
 
 #if defined(MINAGI_EMULATOR) || defined(MINAGI_NO_TORCH)
 #define MINAGI_PLAIN_KERNELS 1

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "sizes.h"  // bucket, kSmallRows
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -325,18 +326,6 @@ inline void check_gpu_slots(int64_t n_slots, const char* op) {
   TORCH_CHECK(n_slots <= kMaxGpuSlots, "minagi.", op, ": the GPU kernels take at most ", kMaxGpuSlots,
               " card slots (model.n_slots), got ", n_slots, "; use a smaller card (the pool can stay larger: "
               "admission picks the card), or run on the CPU");
-}
-
-// _bucket(n): powers of two up to 128, then multiples of 128. A few dozen buffer sizes over a
-// run, so a caching allocator reuses its blocks instead of fragmenting. Host and GPU code.
-C10_HOST_DEVICE inline int64_t bucket(int64_t n) {
-  if (n <= 0) return 0;
-  if (n <= 128) {
-    int64_t b = 1;
-    while (b < n) b <<= 1;
-    return b;
-  }
-  return ((n + 127) / 128) * 128;
 }
 
 // A large CPU output, backed by transparent huge pages where Linux allows (THP "madvise" mode).

@@ -23,7 +23,7 @@ PyObject* PyInit__C(void) {
 
 namespace minagi {
 std::vector<int64_t> cpu_block_cache(int64_t max_idle_bytes);  // csrc/cpu/block_cache.cpp
-int64_t tile_bytes(c10::string_view name, int64_t value);        // csrc/cpu/grouped_gemm.cpp
+int64_t tile_bytes(c10::string_view name, int64_t value);        // csrc/cpu/scheduling.cpp
 }  // namespace minagi
 
 namespace {

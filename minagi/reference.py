@@ -76,19 +76,25 @@ def slot_sums(rows_EW: torch.Tensor, slot_ids_A, slot_rows_A, n_slots: int) -> t
     return torch.ops.aten.embedding_dense_backward(rows_EW, slots_E, n_slots + 1, -1, False)[:n_slots]
 
 
-def bucket(n: int) -> int:
-    """_bucket(n): powers of two up to 128, then multiples of 128 (0 for 0)."""
+def _pow2_at_least(n):
+    """The power of two at least n, for 1 <= n <= 128: n - 1's bits smeared right, plus one (n - 1
+    has at most 7 bits: shifts of 1, 2 and 4 cover them). The same integer ops on an int and on a
+    tensor."""
+    m = n - 1
+    m = m | (m >> 1)
+    m = m | (m >> 2)
+    return (m | (m >> 4)) + 1
+
+
+def bucket(n):
+    """_bucket(n): powers of two up to 128, then multiples of 128 (0 for n <= 0), the rule of
+    csrc/sizes.h's bucket(), which tests/test_ops.py holds this to. n: an int, or an integer
+    tensor (elementwise)."""
+    if isinstance(n, torch.Tensor):
+        return torch.where(n <= 0, 0, torch.where(n <= 128, _pow2_at_least(n), (n + 127) // 128 * 128))
     if n <= 0:
         return 0
-    if n <= 128:
-        return 1 << (n - 1).bit_length()
-    return -(-n // 128) * 128
-
-
-def bucket_tensor(n: torch.Tensor) -> torch.Tensor:
-    """_bucket elementwise on an int64 tensor of positive counts."""
-    pow2 = torch.pow(2, torch.ceil(torch.log2(n.clamp(min=1).double()))).long()
-    return torch.where(n <= 128, pow2, (n + 127) // 128 * 128)
+    return _pow2_at_least(n) if n <= 128 else (n + 127) // 128 * 128
 
 
 def _graph_zero(*tensors):
@@ -170,7 +176,7 @@ def group_plan(slot_idx_NK: torch.Tensor, n_slots: int, capacity: int, bucketed:
 
     active_A = torch.nonzero(load_S > 0).reshape(-1)
     slot_order_A = active_A[torch.sort(load_S[active_A], stable=True).indices]
-    slot_rows_A = bucket_tensor(load_S[slot_order_A])
+    slot_rows_A = bucket(load_S[slot_order_A])
     start_A = torch.cumsum(slot_rows_A, 0) - slot_rows_A
     start_S = torch.full((n_slots + 1,), -1, dtype=torch.long, device=dev)
     start_S[slot_order_A] = start_A

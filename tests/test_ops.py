@@ -150,8 +150,27 @@ def test_one_character_is_one_group(compiled, device):
                                  (256, 256), (257, 384), (1960, 2048)])
 def test_bucket(n, b):
     assert reference.bucket(n) == b
-    if n:
-        assert int(reference.bucket_tensor(torch.tensor([n]))) == b
+    assert int(reference.bucket(torch.tensor([n]))) == b
+
+
+def test_bucket_is_the_compiled_ops_bucket(compiled):
+    # csrc/sizes.h's bucket(), reached through the CPU group_plan: a bucketed plan's slot_rows are
+    # bucket(load). Slot s of a call has load n0 + s, for every n up to 5,000, a call per chunk of
+    # about a million pairs; a slot with no pairs (n = 0) is left out of the plan, its 0 rows.
+    n, n_max = 0, 5000
+    while n <= n_max:
+        loads = []
+        while n <= n_max and sum(loads) + n <= 1 << 20:
+            loads.append(n)
+            n += 1
+        load_S = torch.tensor(loads)
+        slot_idx = torch.repeat_interleave(torch.arange(len(loads)), load_S).view(-1, 1)
+        load, order, rows, _, _ = compiled.group_plan(slot_idx, len(loads), 0, True)
+        assert torch.equal(load, load_S)
+        want = reference.bucket(load_S)
+        assert torch.equal(rows, want[order]), f"loads {loads[0]}..{loads[-1]}"
+        assert rows.tolist() == [reference.bucket(int(x)) for x in load[order]]
+        assert int((want == 0).sum()) == len(loads) - len(order)  # only a load of 0 buckets to 0
 
 
 # ---------------------------------------------------------------- gather / scatter / gate_grad

@@ -1,6 +1,6 @@
 // A few rows (1-4) times one slot's weights on AVX-512: the products of writing a handful of
 // characters, where reading the weights once is the whole cost. The portable loops in
-// grouped_gemm.cpp (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
+// slot_gemm.h (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
 // each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time:
 // 11-40 GB/s in bfloat16, where float32's loop streams one row's weights at 50
 // (tools/few_rows_probe.py, 2 threads). Here each weight vector is loaded once and used for every

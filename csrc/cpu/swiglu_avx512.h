@@ -1,6 +1,6 @@
 // SwiGLU's rows on AVX-512: out = silu(gate) * up, and its backward, in float32 and bfloat16, for
 // both layouts of h (gate and up as halves, or interleaved). The portable loops in
-// grouped_gemm.cpp (swiglu_fwd_row, swiglu_bwd_row) leave vectorising to GCC, which builds them
+// act_rows.h (swiglu_fwd_row, swiglu_bwd_row) leave vectorising to GCC, which builds them
 // for AVX2 at most, and widen bfloat16 through float32 buffers a chunk at a time (a pass to
 // widen, one to compute, one to narrow). Here a vector of bfloat16 is widened in registers, the
 // exp is the same Cephes range reduction and polynomial as exp_simd (to within its few ulp), and

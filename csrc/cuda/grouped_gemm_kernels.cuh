@@ -20,8 +20,8 @@ namespace gpu {
 constexpr int kOffsetThreads = 256;
 constexpr int kTileM = 64, kTileN = 64, kTileK = 16;  // 256 threads, 4 x 4 outputs each
 constexpr int kTileThreads = 256;
-constexpr int64_t kSmallRows = 4;     // rows the decode kernel keeps in registers per pass
-constexpr int kSmallRowsBytes = 128;  // bytes of one column's k staged per pass: a cache line
+constexpr int64_t kPassRows = 4;      // rows the decode kernel keeps in registers per pass
+constexpr int kPassBytes = 128;      // bytes of one column's k staged per pass: a cache line
 
 // The row tiles the tiled kernels may need: each slot's rows round up to whole tiles, so at most
 // one partial tile per listed slot beyond ceil(E / kTileM) (and the same bound covers the tail
@@ -164,7 +164,7 @@ __global__ void grouped_gemm_kernel(const scalar_t* __restrict__ a, const scalar
 }
 
 // Decoding: a handful of rows per listed slot. Block (x, i) computes kTileThreads columns of slot
-// i's rows, kSmallRows rows per pass; the slot's weights are staged through shared memory a
+// i's rows, kPassRows rows per pass; the slot's weights are staged through shared memory a
 // cache line of k per column at a time, loaded along b's unit stride (coalesced for .mT weights as
 // for contiguous ones), and each thread then reads its column from there. opmath accumulation
 // (fp32 for bf16 / fp16). Block (x, 0) also zeroes the rows past the listed ranges.
@@ -174,10 +174,10 @@ __global__ void small_rows_kernel(const scalar_t* __restrict__ a, const scalar_t
                                   const int64_t* __restrict__ row_end, int64_t A, int64_t E, int64_t K, int64_t M,
                                   int64_t S, scalar_t* __restrict__ out) {
   using acc_t = opmath_t<scalar_t>;
-  constexpr int TK = kSmallRowsBytes / static_cast<int>(sizeof(scalar_t));
+  constexpr int TK = kPassBytes / static_cast<int>(sizeof(scalar_t));
   constexpr int pitch = kTileThreads + 1;
   MINAGI_SHARED_ARRAY(scalar_t, w_sh, TK * pitch);
-  MINAGI_SHARED_ARRAY(acc_t, x_sh, kSmallRows * TK);
+  MINAGI_SHARED_ARRAY(acc_t, x_sh, kPassRows * TK);
   const int64_t n0 = blockIdx.x * static_cast<int64_t>(kTileThreads), m = n0 + threadIdx.x;
   for (int64_t i = blockIdx.y; i < A; i += gridDim.y) {
     const int64_t r_lo = i > 0 ? row_end[i - 1] : 0, r_hi = row_end[i];
@@ -185,14 +185,14 @@ __global__ void small_rows_kernel(const scalar_t* __restrict__ a, const scalar_t
     const int64_t slot = slot_ids[i];
     CUDA_KERNEL_ASSERT(slot >= 0 && slot < S && "minagi.grouped_mm: slot_ids outside [0, n_slots)");
     const scalar_t* w = b + slot * b_s0;
-    for (int64_t r0 = r_lo; r0 < r_hi; r0 += kSmallRows) {
-      const int64_t nr = r_hi - r0 < kSmallRows ? r_hi - r0 : kSmallRows;
-      acc_t y[kSmallRows] = {};
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += kPassRows) {
+      const int64_t nr = r_hi - r0 < kPassRows ? r_hi - r0 : kPassRows;
+      acc_t y[kPassRows] = {};
       for (int64_t k0 = 0; k0 < K; k0 += TK) {
         const int tk = K - k0 < TK ? static_cast<int>(K - k0) : TK;
         __syncthreads();  // the previous pass's readers are done with the tiles
         load_w_tile(w, b_s1, b_s2, k0, n0, K, M, tk, kTileThreads, pitch, w_sh);
-        for (int idx = threadIdx.x; idx < kSmallRows * TK; idx += blockDim.x) {
+        for (int idx = threadIdx.x; idx < kPassRows * TK; idx += blockDim.x) {
           const int r = idx / TK, k = idx % TK;
           x_sh[idx] = r < nr && k < tk ? static_cast<acc_t>(a[(r0 + r) * K + k0 + k]) : acc_t(0);
         }
@@ -201,7 +201,7 @@ __global__ void small_rows_kernel(const scalar_t* __restrict__ a, const scalar_t
         for (int k = 0; k < tk; ++k) {
           const acc_t wk = static_cast<acc_t>(w_sh[k * pitch + threadIdx.x]);
 #pragma unroll
-          for (int r = 0; r < kSmallRows; ++r) y[r] += x_sh[r * TK + k] * wk;
+          for (int r = 0; r < kPassRows; ++r) y[r] += x_sh[r * TK + k] * wk;
         }
       }
       if (m < M)

@@ -1,6 +1,6 @@
 // What the kernel headers (*_kernels.cuh) take from torch, and from nowhere else: the device
-// assert, the op-math type, _bucket's rounding, shared memory and a NaN test. Three builds
-// include the kernels:
+// assert, the op-math type, shared memory and a NaN test (bucket comes from
+// csrc/sizes.h, the same in every build). Three builds include the kernels:
 //   - the torch launchers (*.cu, nvcc or hipified for ROCm): everything comes from c10 / ATen;
 //   - MINAGI_EMULATOR (csrc/emu/emulator.h, the host compiler): plain definitions, the emulator's
 //     thread model and shared memory;
@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "../sizes.h"  // bucket: the host's, the kernels' and the emulator's one definition
 
 #if defined(MINAGI_EMULATOR) || defined(MINAGI_NO_TORCH)
 #define MINAGI_PLAIN_KERNELS 1
@@ -23,8 +25,6 @@
 
 #include <ATen/OpMathType.h>
 #include <c10/macros/Macros.h>
-
-#include "../common.h"  // minagi::bucket, the host's and the kernels' one definition
 
 #define MINAGI_HOST_DEVICE C10_HOST_DEVICE
 
@@ -46,18 +46,6 @@ using opmath_t = at::opmath_type<scalar_t>;
 #endif
 
 namespace minagi {
-
-// csrc/common.h's bucket, which this build cannot include (it pulls in ATen); the emulator test
-// compares the plans made with this one against the CPU kernels', which use that one.
-MINAGI_HOST_DEVICE inline int64_t bucket(int64_t n) {
-  if (n <= 0) return 0;
-  if (n <= 128) {
-    int64_t b = 1;
-    while (b < n) b <<= 1;
-    return b;
-  }
-  return ((n + 127) / 128) * 128;
-}
 
 namespace gpu {
 

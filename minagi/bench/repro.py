@@ -119,7 +119,7 @@ class Load:
             from torch.utils.cpp_extension import include_paths
 
             inc = " ".join(f"-I{p}" for p in include_paths())
-            src = ROOT / "csrc" / "cpu" / "grouped_gemm.cpp"
+            src = ROOT / "csrc" / "cpu" / "grouped_gemm_backward.cpp"
             self.procs = [subprocess.Popen(["sh", "-c", f"while true; do c++ -std=c++17 -O2 {inc} -c {src} "
                                                         f"-o {work / 'beside-build.o'}; done"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common.h"  // kMaxGpuSlots, and csrc/sizes.h's kSmallRows
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -24,6 +26,14 @@ PyObject* PyInit__C(void) {
 namespace minagi {
 std::vector<int64_t> cpu_block_cache(int64_t max_idle_bytes);  // csrc/cpu/block_cache.cpp
 int64_t tile_bytes(c10::string_view name, int64_t value);        // csrc/cpu/scheduling.cpp
+
+// The sizes the kernels are built with that Python decides by, read there rather than copied.
+int64_t constant(c10::string_view name) {
+  if (name == "small_rows") return kSmallRows;
+  if (name == "gpu_max_slots") return kMaxGpuSlots;
+  TORCH_CHECK_VALUE(false, "minagi.constant: no constant '", std::string(name),
+                    "'; the names are 'small_rows' and 'gpu_max_slots'");
+}
 }  // namespace minagi
 
 namespace {
@@ -60,6 +70,9 @@ TORCH_LIBRARY(minagi, m) {
   // scatter_mm_backward); value >= 0 sets it. Returns the size before. Past its tile a kernel takes
   // its unfused path (the same results), so these are speed knobs, and tests force both paths.
   m.def("tile_bytes(str name, int value=-1) -> int", &minagi::tile_bytes);
+  // Not a computation: "small_rows" (csrc/sizes.h kSmallRows: a call of at most this many
+  // characters is dispatch's decode case) and "gpu_max_slots" (csrc/common.h kMaxGpuSlots).
+  m.def("constant(str name) -> int", &minagi::constant);
   // logits [N, S] -> slot_idx [N, k] int64 (best first, ties to the lower slot, NaN ranks as
   // -inf), gates [N, k] = softmax over the k chosen logits, load [S] int64 (pairs per slot).
   m.def("routing(Tensor logits, int top_k) -> (Tensor slot_idx, Tensor gates, Tensor load)");

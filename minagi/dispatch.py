@@ -390,8 +390,9 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
 
 
 # Up to this many tokens go through the decode path (no plan): writing's one character per
-# stream, or a handful of streams.
-DECODE_MAX_CHARS = 4
+# stream, or a handful of streams. N characters put at most N rows in a slot, so this is the
+# CPU's few-row kernels' limit (csrc/sizes.h kSmallRows), read from the extension.
+DECODE_MAX_CHARS = _ops.constant("small_rows", 4)
 
 
 def _below_autograd(wants_grad: bool):
@@ -416,7 +417,7 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     """The decode path's conditions: a handful of characters; no capacity drop (one character
     never gives a slot two pairs, so a cap cannot bite); and, where a gradient is wanted, one
     character, whose pairs have distinct slots (the weight gradient takes each slot once), none
-    of them skipped (a skipped pair's padding row borrows slot 0's range)."""
+    of them skipped (a skipped pair's empty range names slot 0, which a kept pair may name too)."""
     if not _decode_size(N) or (cap and N > 1):
         return False
     return not wants_grad or (N == 1 and not skipping)
@@ -434,20 +435,23 @@ def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool) -> bo
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
     """A handful of characters without the plan (on a GPU, or on the pure-torch twins): every
     (character, k) pair is its own one-row range, a plan made from the shapes alone (its row counts
-    are ones on the device: nothing is read on the host).
+    are made on the device: nothing is read on the host).
     Only the routed slots' weights are read, with the same gather and deterministic gated combine
-    as the pipeline. A skipped pair (valid_NK False) is a padding row: a zero row multiplied by
-    slot 0's weights (its range is sized from the shapes), which the combine never reads, so it
-    adds nothing (not even an infinity times a zero gate) and gets no gradient."""
+    as the pipeline. A skipped pair (valid_NK False) owns no row: its range is empty, so no weight
+    is read for it, and the kept pairs' rows come first; the rows past them are zeros the combine
+    never reads."""
     N, K = slot_idx_NK.shape
     pair_R = torch.arange(N * K, device=x_ND.device)
-    row_pair_R, dest_NK = pair_R, pair_R.view(N, K)
-    if valid_NK is not None:
-        slot_idx_NK = torch.where(valid_NK, slot_idx_NK, 0)
-        row_pair_R, dest_NK = torch.where(valid_NK.reshape(-1), pair_R, -1), torch.where(valid_NK, dest_NK, -1)
-    else:  # no plan to check the ids: the twins' check (a device assert on a GPU)
+    if valid_NK is None:  # no plan to check the ids: the twins' check (a device assert on a GPU)
         reference.check_slot_ids(slot_idx_NK, w_in_SDH.shape[0])
-    rows_R = torch.ones(N * K, dtype=torch.long, device=x_ND.device)  # on the device, like an exact plan's
+        rows_R, row_pair_R, dest_NK = torch.ones_like(pair_R), pair_R, pair_R.view(N, K)
+    else:
+        kept_R = valid_NK.reshape(-1)
+        slot_idx_NK = torch.where(valid_NK, slot_idx_NK, 0)  # an empty range: any id in range will do
+        rows_R = kept_R.long()
+        row_R = torch.cumsum(rows_R, 0) - 1  # each kept pair's row
+        dest_NK = torch.where(valid_NK, row_R.view(N, K), -1)
+        row_pair_R = pair_R.new_full((N * K + 1,), -1).scatter(0, torch.where(kept_R, row_R, N * K), pair_R)[:N * K]
     plan = (slot_idx_NK.reshape(-1), rows_R, row_pair_R, dest_NK)
     a_RH = _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form)
     return _second_layer(ops, a_RH, w_out_SHD, gates_NK, plan, post), rows_R
@@ -587,7 +591,7 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
             # Python autograd wrapper that registered ops pass through.
             with _below_autograd(wants_grad):
                 y, rows_A = _decode(ops, x, slot_idx, gates, w_in, w_out, form, b_in, valid, post_pair)
-            kept, executed = valid, N * K  # nothing dropped but the skipped, nothing padded
+            kept, executed = valid, rows_A.sum  # a row per kept pair: nothing padded
         else:
             y, kept, rows_A = _grouped(ops, x, slot_idx, gates, w_in, w_out, cap, bucketed, form, b_in, skip,
                                        post_pair)

@@ -17,10 +17,17 @@ from . import _backend, reference
 
 _REGISTERED = False
 
+
+def constant(name: str, fallback: int) -> int:
+    """A size defined in C++ (torch.ops.minagi.constant), read from the extension; `fallback`
+    where it is not loaded (tests/test_ops.py checks the two agree)."""
+    return int(torch.ops.minagi.constant(name)) if _backend.loaded() else fallback
+
+
 # The most card slots the GPU kernels take (csrc/common.h kMaxGpuSlots, which the kernels check:
 # the routing and plan kernels keep per-slot arrays in one block's shared memory). The CPU
 # kernels and the pure-torch twins have no limit.
-GPU_MAX_SLOTS = 2048
+GPU_MAX_SLOTS = constant("gpu_max_slots", 2048)
 
 
 def check_card_fits(n_slots: int, device: torch.device, gpu_kernels: bool | None = None) -> None:

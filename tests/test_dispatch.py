@@ -326,9 +326,8 @@ def test_decode_goes_through_one_op_where_it_can(monkeypatch):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_decode_skips_out_of_range_slots(path):
-    # Expert parallelism's ids of experts held elsewhere run on slot 0 with gate 0 in the decode
-    # path: sorted in with slot 0's own pairs, that range has 11 rows here (past the few-row
-    # kernels), and still adds nothing.
+    # Expert parallelism's ids of experts held elsewhere, at the decode sizes: dropped pairs on
+    # every path, adding nothing.
     slot_idx = torch.tensor([[0, 5, -1, 1], [7, 0, 2, 9], [0, 6, 3, 8], [1, 0, -4, 2]])
     x, w_in, w_out = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
         torch.randn(4, 12, 8, dtype=torch.float64)
@@ -337,6 +336,22 @@ def test_decode_skips_out_of_range_slots(path):
     with torch.no_grad():
         got = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, out_of_range_slots="skip")
     assert_close(got, want)
+
+
+def test_unfused_decode_gives_a_skipped_pair_no_row():
+    # The decode path without the plan (GPUs, the twins): a skipped pair's range is empty, so no
+    # weight is read for it; slot 0's NaN weights, which no kept pair names, reach nothing.
+    slot_idx = torch.tensor([[3, -1], [2, 9]])
+    x, w_in, w_out = torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
+        torch.randn(4, 12, 8, dtype=torch.float64)
+    w_in[0] = float("nan")
+    gates = torch.softmax(torch.randn(2, 2, dtype=torch.float64), 1)
+    want = expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle", out_of_range_slots="skip")
+    with torch.no_grad():
+        got, stats = expert_mlp(x, slot_idx, gates, w_in, w_out, path="grouped", out_of_range_slots="skip",
+                                return_stats=True)
+    assert_close(got, want)
+    assert stats.executed_rows == 2 and stats.routed_pairs == 2
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -869,3 +869,12 @@ def test_bucketed_activation_equals_the_form_in_a_bucketed_allocation_that_is_no
     with torch.no_grad():
         out, _ = BucketedAct.backward(type("Ctx", (), {"saved_tensors": (h.detach(),), "form": form})(), g)
     assert out._base is None and out.untyped_storage().nbytes() == 384 * width * 8
+
+
+def test_python_reads_the_sizes_cpp_defines():
+    from minagi import dispatch
+
+    assert ops.constant("small_rows", -1) == dispatch.DECODE_MAX_CHARS == 4
+    assert ops.constant("gpu_max_slots", -1) == ops.GPU_MAX_SLOTS == 2048
+    with pytest.raises(ValueError, match="the names are"):
+        torch.ops.minagi.constant("nope")

@@ -98,8 +98,8 @@ def test_peak_flops_tool_measures_the_arithmetic_peak(tmp_path):
 
 
 def test_slot_gemm_probe_times_grouped_mm_and_names_bad_arguments():
-    # tools/slot_gemm_probe.py: the per-slot GEMM figures of docs/transformers.md. Without the
-    # extension (the fallback run) it says it has nothing to time.
+    # tools/slot_gemm_probe.py: the per-slot GEMM figures of docs/log/2026-12-06-bench-at-350f8a6.md.
+    # Without the extension (the fallback run) it says it has nothing to time.
     import re
 
     import minagi

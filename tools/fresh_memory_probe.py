@@ -1,7 +1,7 @@
 """What faulting in fresh memory costs on this machine: a 134 MiB tensor made and filled, against
 the same fill of a kept buffer (ms, median of 7). A training step's weight gradients are fresh
 memory under zero_grad(set_to_none=True); run it under THP_MEM_ALLOC_ENABLE=1 (2 MiB pages) or
-glibc's MALLOC_MMAP_MAX_=0 to compare (docs/transformers.md, "The floor").
+glibc's MALLOC_MMAP_MAX_=0 to compare (docs/log/2026-12-05-the-bench-floor.md).
 
 --cycles N: instead, the same tensor made, filled and freed N times, with the page faults of each
 fill and the size of glibc's heap after it: whether freed memory is found again. --keep first

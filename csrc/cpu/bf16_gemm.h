@@ -1,9 +1,8 @@
 // One slot's bfloat16 GEMM on AVX512-BF16's pair dot product (vdpbf16ps), without a call into
-// ATen. In bfloat16 ATen's mm goes to oneDNN, which builds a primitive descriptor on every call:
-// about 22 us a call here (tools/bf16_gemm_probe.py), paid once per slot per GEMM, so a step over
-// 256 experts paid it thousands of times. This kernel packs the slot's weights into pairs (one
-// column block at a time, in the thread's cache) and runs the rows over them; it reaches the
-// even-load torch.bmm over all experts within a few per cent (docs/transformers.md).
+// ATen. In bfloat16 ATen's mm goes to oneDNN, which builds a primitive descriptor on every call,
+// paid once per slot per GEMM: thousands of times a step over many experts. This kernel packs the
+// slot's weights into pairs (one column block at a time, in the thread's cache) and runs the rows
+// over them (the figures: docs/log/2026-12-05-bfloat16-gemm-kernel.md).
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
 // attribute, and callers ask bf16_dot_available() (CPUID, once) before calling them.

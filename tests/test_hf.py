@@ -225,6 +225,18 @@ def test_bench_hf_quick_run_writes_every_backend_and_the_targets(tmp_path):
     assert set(data["peak_bytes"]["mixtral float32"]) == {"eager", "batched_mm", "grouped_mm", "minagi"}
 
 
+@pytest.mark.slow
+@requires_ext
+def test_bench_hf_generate_times_eager_and_compiled_and_refuses_an_unknown_model():
+    from minagi.bench import hf as bench
+
+    got = bench.bench_generate(["grouped_mm", "minagi"], 1, 4, "cpu", "tiny", ("eager", "compiled"))
+    assert set(got) == {"eager", "compiled"} and all(v > 0 for m in got.values() for v in m.values())
+    assert set(got["compiled"]) == {"grouped_mm", "minagi"}
+    with pytest.raises(SystemExit):
+        bench.main(["--generate", "nope", "--tokens", "", "--decode", ""])
+
+
 def test_bench_hf_floor_is_each_experts_gemms_at_an_even_load_and_judges_only_beyond_the_ceiling():
     from minagi.bench import hf as bench
 

@@ -430,32 +430,48 @@ def _generate_call(model, ids, new_tokens: int, compiled: bool):
 
 def bench_generate(backends, rounds, new_tokens=32, device="cpu", name="tiny", modes=("eager",)) -> dict:
     """Tokens/s of one whole model's greedy generate() per backend and mode ("eager", "compiled"):
-    {mode: {backend: tokens/s}}. Rounds interleave the backends; round 0 warms up (and compiles).
-    Each backend's compiled forward is its own graph: dynamo guards on the experts' implementation."""
+    {mode: {backend: tokens/s}}, the median of `rounds` after a warm-up call. Eager rounds
+    interleave the backends. Compiled ones run each backend's calls together after a fresh
+    torch.compile: one backend's compiled forward, swapped for another's and back, could be
+    recompiled rather than reused, and the recompiling timed."""
     model = _generate_model(name, device)
     ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2)).to(device)
     out = {}
     for mode in modes:
-        compiled = mode == "compiled"
-        if compiled:
-            from torch import _dynamo
-
-            _dynamo.reset()
-            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 4 * len(backends))
         times = {b: [] for b in backends}
-        for r in range(rounds + 1):
-            for impl in backends[r % len(backends):] + backends[:r % len(backends)]:
-                model.set_experts_implementation(impl)
-                breaks = _graph_breaks()
-                t0 = time.perf_counter()
-                _generate_call(model, ids, new_tokens, compiled)
-                if r:
-                    times[impl].append(time.perf_counter() - t0)
-                elif compiled and _graph_breaks() > breaks:
-                    print(f"  note: {impl}'s compiled forward broke its graph {_graph_breaks() - breaks} times",
-                          flush=True)
+        if mode == "compiled":
+            for impl in backends:
+                times[impl] = _compiled_times(model, ids, impl, new_tokens, rounds)
+        else:
+            for r in range(rounds + 1):
+                for impl in backends[r % len(backends):] + backends[:r % len(backends)]:
+                    model.set_experts_implementation(impl)
+                    t0 = time.perf_counter()
+                    _generate_call(model, ids, new_tokens, False)
+                    if r:  # round 0 warms up
+                        times[impl].append(time.perf_counter() - t0)
         out[mode] = {impl: new_tokens / statistics.median(v) for impl, v in times.items()}
     return out
+
+
+def _compiled_times(model, ids, impl: str, new_tokens: int, rounds: int) -> list[float]:
+    """One backend's compiled generate() calls: a warm-up that compiles, then `rounds` timed."""
+    from torch import _dynamo
+
+    _dynamo.reset()
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+    model.set_experts_implementation(impl)
+    breaks = _graph_breaks()
+    _generate_call(model, ids, new_tokens, True)
+    if _graph_breaks() > breaks:
+        print(f"  note: {impl}'s compiled forward broke its graph {_graph_breaks() - breaks} times", flush=True)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _generate_call(model, ids, new_tokens, True)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _graph_breaks() -> int:

@@ -44,6 +44,9 @@ def train_parser() -> argparse.ArgumentParser:
 def run_train(argv) -> int:
     args = train_parser().parse_args(argv)
     overrides = list(args.overrides)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: the run's length must be at least 1 optimizer step; "
+                          "give --steps 1 or more")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.data is not None:

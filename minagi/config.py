@@ -106,6 +106,9 @@ class DataConfig:
     # A raw corpus larger than this many bytes is not read into memory: prepare it (python
     # train.py prepare SRC OUT) and train on the prepared folder, read from disk as batches need it.
     max_in_memory: int = 2 << 30
+    # Read files that are not text (a NUL byte, or bytes that are not UTF-8, in the first 4 KiB):
+    # a file given as data.path is otherwise refused, and a folder's are skipped (--data-binary).
+    binary: bool = False
 
 
 @dataclass

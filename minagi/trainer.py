@@ -61,7 +61,8 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
         run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
             bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
-            for note in (*notes, world_note(run)):  # what a resume changed or ignores: even with --quiet
+            # What a resume changed or ignores, and what the corpus's folder skipped: even with --quiet.
+            for note in (*notes, world_note(run), corpus.skipped.note(corpus.source)):
                 if note and run.dist.main:
                     bar.write(note, always=True)
             bar.write(describe(run, corpus, resume))

@@ -16,6 +16,7 @@ import os
 import shutil
 import uuid
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -107,6 +108,17 @@ def prune(run_dir: Path, keep: str | None) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def unreadable(path: Path, exc: Exception) -> str:
+    """Why torch.load refused a file, in a few words (torch's own text runs to many lines)."""
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        return "not a file torch.save wrote, or a truncated one"
+    text = str(exc)
+    if "weights_only" in text or "Weights only load failed" in text:
+        return "it holds Python objects beyond tensors and plain data, which a minagi checkpoint never does"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def load(run_dir, map_location="cpu", require_finite: bool = True, experts: bool = True) -> dict:
     """A run's checkpoint. experts=False leaves an expert-parallel run's shards where they are
     (its "experts" entry names them; ExpertParallel.local_state reads each rank's part)."""
@@ -120,8 +132,8 @@ def load(run_dir, map_location="cpu", require_finite: bool = True, experts: bool
     try:
         ckpt = torch.load(path, map_location=map_location)
     except Exception as exc:  # truncated, not a torch file, or unpickling refused
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); "
-                              "it may be truncated or not a minagi checkpoint") from exc
+        raise CheckpointError(f"checkpoint {path} cannot be read ({unreadable(path, exc)}); give the folder of a "
+                              "minagi run, or its checkpoint.pt") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path} is not a minagi checkpoint (no model state or config in it)")
     if "experts" in ckpt and experts:

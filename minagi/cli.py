@@ -1,11 +1,11 @@
 """The command line behind train.py:
 
-    python train.py [--profile cpu-tiny] [--data PATH] [--out DIR] [--steps N] [--set k=v]... [--resume]
+    python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
     python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
-    python train.py eval DIR --data PATH
+    python train.py eval DIR [--data PATH] [--data-binary]
     python train.py plot DIR
-    python train.py routes DIR [--data PATH] [--chunks N] [--json]
-    python train.py prepare SRC OUT [--heldout-every N] [--force]
+    python train.py routes DIR [--data PATH] [--data-binary] [--chunks N] [--json]
+    python train.py prepare SRC OUT [--heldout-every N] [--force] [--data-binary]
 
 Errors a user can fix (an unknown profile or key, a bad value, missing data, a corpus too small,
 a missing checkpoint) end with one line saying what to do, and exit status 2.
@@ -32,6 +32,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help=f"a packaged profile ({', '.join(profile_names())}) "
                    f"or a path to a .toml file (default {DEFAULT_PROFILE})")
     p.add_argument("--data", default=None, help="a text file, a folder of text files, or a prepared corpus folder (default: the Python standard library's source)")
+    p.add_argument("--data-binary", action="store_true",
+                   help="read files that are not text too (= --set data.binary=true)")
     p.add_argument("--out", default=None, help="run folder for checkpoint.pt and history.jsonl (default runs/PROFILE)")
     p.add_argument("--steps", type=int, default=None, help="length of the whole run, schedule included (= --set train.steps=N)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -44,10 +46,15 @@ def train_parser() -> argparse.ArgumentParser:
 def run_train(argv) -> int:
     args = train_parser().parse_args(argv)
     overrides = list(args.overrides)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: the run's length must be at least 1 optimizer step; "
+                          "give --steps 1 or more")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.data is not None:
         overrides.append(f"data.path={args.data}")
+    if args.data_binary:
+        overrides.append("data.binary=true")
     cfg = load(args.profile or DEFAULT_PROFILE, overrides)
     out = args.out or f"runs/{cfg.profile}"
     from .trainer import train
@@ -98,15 +105,19 @@ def run_write(argv) -> int:
 def run_eval(argv) -> int:
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per byte of a checkpoint on your text (the last line of the output).")
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
-    p.add_argument("--data", required=True, help="a text file or a folder of them: every byte is scored")
+    p.add_argument("--data", default=None, help="a text file or a folder of them: every byte is scored "
+                   "(default: the run's own held-out split)")
+    p.add_argument("--data-binary", action="store_true", help="score files that are not text too")
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
-    from .evaluate import bits_per_byte, read_bytes
+    from .evaluate import bits_per_byte, scored_bytes
     from .writer import load_model
 
     model, cfg = load_model(a.run, a.device)
-    data = read_bytes(a.data)
-    print(f"scoring {data.numel():,} bytes of {a.data} in windows of {cfg.data.context}; bits per byte:", file=sys.stderr)
+    data, what, note = scored_bytes(cfg, a.data, a.data_binary)
+    if note:
+        print(note, file=sys.stderr)
+    print(f"scoring {data.numel():,} bytes of {what} in windows of {cfg.data.context}; bits per byte:", file=sys.stderr)
     print(f"{bits_per_byte(model, data, cfg.data.context):.4f}")
     return 0
 
@@ -119,6 +130,7 @@ def run_prepare(argv) -> int:
     p.add_argument("out", metavar="OUT", help="an empty (or new) folder")
     p.add_argument("--heldout-every", type=int, default=20, help="hold out every Nth file (default 20, as data.heldout_every)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.add_argument("--data-binary", action="store_true", help="read files that are not text too")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     from .data import prepare
@@ -126,8 +138,10 @@ def run_prepare(argv) -> int:
     if a.heldout_every < 2:
         raise ConfigError("--heldout-every must be >= 2")
     bar = ByteProgress(not a.quiet)
-    meta = prepare(a.src, a.out, a.heldout_every, a.force, progress=bar)
+    meta = prepare(a.src, a.out, a.heldout_every, a.force, progress=bar, binary=a.data_binary)
     bar.close()
+    if meta["skipped"]:
+        print(meta["skipped"], file=sys.stderr)
     print(f"prepared {a.out}: {meta['train_bytes']:,} train bytes, {meta['heldout_bytes']:,} held-out bytes "
           f"({meta['files']} files, split {meta['split']}); train on it with --data {a.out}")
     return 0

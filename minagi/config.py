@@ -106,6 +106,9 @@ class DataConfig:
     # A raw corpus larger than this many bytes is not read into memory: prepare it (python
     # train.py prepare SRC OUT) and train on the prepared folder, read from disk as batches need it.
     max_in_memory: int = 2 << 30
+    # Read files that are not text (a NUL byte, or bytes that are not UTF-8, in the first 4 KiB):
+    # a file given as data.path is otherwise refused, and a folder's are skipped (--data-binary).
+    binary: bool = False
 
 
 @dataclass
@@ -251,7 +254,9 @@ def validate(cfg: Config) -> None:
          f"got {m.expert_activation!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.dispatch in ("auto", "rectangle", "grouped", "compiled"), f"model.dispatch must be auto, rectangle, grouped or compiled, got {m.dispatch!r}"),
-        (t.steps >= 1 and t.batch >= 1, "train.steps and train.batch must be >= 1"),
+        (t.steps >= 1, f"train.steps must be >= 1 (the run's length in optimizer steps; --steps N sets it), "
+         f"got {t.steps}"),
+        (t.batch >= 1, f"train.batch must be >= 1 (chunks per micro-batch), got {t.batch}"),
         (t.lr > 0 and 0 <= t.min_lr_frac <= 1, "train.lr must be > 0 and train.min_lr_frac in [0, 1]"),
         (t.pool_lr_scale > 0, f"train.pool_lr_scale must be > 0 (the pool's lr is lr x it), got {t.pool_lr_scale}"),
         (t.eval_every >= 1 and t.checkpoint_every >= 1 and t.eval_chunks >= 1, "train.eval_every, train.checkpoint_every and train.eval_chunks must be >= 1"),

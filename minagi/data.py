@@ -1,11 +1,14 @@
 """Corpora as bytes: the default (the Python standard library's own source, which every Python
 install has) or --data PATH (a text file or a folder of them), split into train and held-out by
-file, and random chunks drawn from one uint8 tensor.
+file, and random chunks drawn from one uint8 tensor. A folder is read as its text files
+(folder_files: hidden entries, __pycache__ and files that are not text are skipped, and
+counted); a file that is not text is refused unless data.binary allows it.
 
 Legend: B batch, T context (bytes per chunk).
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import mmap
@@ -14,15 +17,43 @@ import shlex
 import sys
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .config import DataConfig
+
 
 class DataError(ValueError):
     """A corpus that cannot be used; the message says why and what to do."""
+
+
+@dataclass
+class Skipped:
+    """What a folder held that is not read: files by the reason, and their bytes."""
+    files: dict = field(default_factory=dict)  # reason -> files
+    bytes: int = 0
+    example: str = ""  # one file not read as text, for the message
+
+    @property
+    def total(self) -> int:
+        return sum(self.files.values())
+
+    def add(self, reason: str, n_files: int, n_bytes: int) -> None:
+        if n_files:
+            self.files[reason] = self.files.get(reason, 0) + n_files
+            self.bytes += n_bytes
+
+    def summary(self) -> str:
+        why = ", ".join(f"{n:,} {reason}" for reason, n in self.files.items())
+        hint = f" (e.g. {self.example}; --data-binary reads them too)" if self.example else ""
+        return f"skipped {self.total:,} files ({self.bytes:,} bytes): {why}{hint}"
+
+    def note(self, source: str) -> str | None:
+        """One line saying what was skipped (None: nothing was)."""
+        return f"minagi: {source}: {self.summary()}" if self.total else None
 
 
 @dataclass
@@ -32,6 +63,7 @@ class Corpus:
     source: str
     n_files: int
     n_heldout_files: int
+    skipped: Skipped = field(default_factory=Skipped)
 
     def describe(self) -> str:
         return (f"{self.source}: {self.n_files} files, {self.train.numel():,} train bytes, "
@@ -48,12 +80,87 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def folder_files(root: Path) -> list[Path]:
-    files = []
+TEXT_PROBE = 4096  # bytes of a file's head that decide whether it is text
+
+
+def not_text(path: Path) -> str | None:
+    """Why a file is not text (None: it is): a NUL byte, or bytes that are not UTF-8, in its
+    first TEXT_PROBE bytes. A file that cannot be read is a DataError."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(TEXT_PROBE)
+            whole = len(head) < TEXT_PROBE or not fh.read(1)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if b"\0" in head:
+        return f"a NUL byte at offset {head.index(0):,}"
+    try:  # a character cut by the probe's end is not an error; one cut by the file's end is
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=whole)
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 at offset {exc.start:,}"
+    return None
+
+
+def _skip_folder(path: Path, skipped: Skipped, reason: str) -> None:
+    """Counts a folder that is not read (hidden, __pycache__): its files and bytes."""
+    n_files = n_bytes = 0
+    for dirpath, _, filenames in os.walk(path):
+        for f in filenames:
+            n_files += 1
+            try:
+                n_bytes += (Path(dirpath) / f).lstat().st_size
+            except OSError:
+                pass
+    skipped.add(reason, n_files, n_bytes)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
+
+
+def folder_files(root: Path, binary: bool = False) -> tuple[list[Path], Skipped]:
+    """A folder's files to read, in path order, and what it skipped: hidden files and folders,
+    __pycache__ folders, and (unless binary) files that are not text (not_text)."""
+    files, skipped = [], Skipped()
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+        for d in dirnames:
+            if d.startswith(".") or d == "__pycache__":
+                _skip_folder(Path(dirpath) / d, skipped, "in __pycache__" if d == "__pycache__" else "hidden")
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for f in sorted(filenames):
+            path = Path(dirpath) / f
+            if f.startswith("."):
+                skipped.add("hidden", 1, _size(path))
+            elif not binary and not_text(path):
+                skipped.add("not text", 1, _size(path))
+                skipped.example = skipped.example or path.relative_to(root).as_posix()
+            else:
+                files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix()), skipped
+
+
+def check_text(path: Path, binary: bool = False) -> None:
+    """A file given as --data: refused where it is not text, unless binary allows it."""
+    why = None if binary else not_text(path)
+    if why:
+        raise DataError(f"{path} is not text ({why} in its first {TEXT_PROBE:,} bytes); training on it "
+                        "would model its binary bytes. Give a text file or folder, or pass --data-binary "
+                        "(data.binary=true) to use it as it is")
+
+
+def min_bytes(context: int, heldout_every: int) -> int:
+    """The smallest corpus that is sure to train: a chunk of context + 1 bytes on each side of
+    the split, the held-out side 1 / heldout_every of it."""
+    return (context + 1) * (heldout_every + 1)
+
+
+def how_big(context: int, heldout_every: int) -> str:
+    return (f"give at least {min_bytes(context, heldout_every):,} bytes of text in all (a chunk of "
+            f"data.context + 1 = {context + 1:,} bytes on each side of the held-out split, which holds out "
+            f"1 / data.heldout_every = 1 / {heldout_every}), or lower data.context")
 
 
 def is_heldout(relpath: str, every: int) -> bool:
@@ -72,6 +179,7 @@ class Plan:
     held: list  # per file, held out by the hash split
     cut: int | None  # None: the split is by file
     source: str
+    skipped: Skipped = field(default_factory=Skipped)  # what the folder held that is not read
 
     @property
     def total(self) -> int:
@@ -108,7 +216,11 @@ class Plan:
         return 0 if self.cut is not None else sum(self.held)
 
 
-def plan(path: str = "", heldout_every: int = 20) -> Plan:
+def plan(path: str = "", heldout_every: int = 20, binary: bool = False,
+         context: int = DataConfig.context) -> Plan:
+    """The files of --data PATH (the standard library's without one) and their split. binary:
+    read files that are not text too; context: the chunk an empty corpus's message sizes."""
+    skipped = Skipped()
     if not path:
         root, files = stdlib_files()
         source = f"Python {'.'.join(map(str, sys.version_info[:3]))} standard library ({root})"
@@ -116,10 +228,15 @@ def plan(path: str = "", heldout_every: int = 20) -> Plan:
         p = Path(path).expanduser()
         if not p.exists():
             raise DataError(f"--data {path}: no such file or folder")
-        root, files = (p.parent, [p]) if p.is_file() else (p, folder_files(p))
+        if p.is_file():
+            check_text(p, binary)
+            root, files = p.parent, [p]
+        else:
+            root, (files, skipped) = p, folder_files(p, binary)
         source = str(p)
     if not files:
-        raise DataError(f"{source}: no files to read (an empty folder?)")
+        why = skipped.summary() if skipped.total else "an empty folder"
+        raise DataError(f"{source}: no text files to read ({why}); {how_big(context, heldout_every)}")
     sizes = []
     for f in files:
         try:
@@ -127,12 +244,12 @@ def plan(path: str = "", heldout_every: int = 20) -> Plan:
         except OSError as exc:
             raise DataError(f"{f}: cannot be read ({exc.strerror or exc})") from None
     held = [is_heldout(f.relative_to(root).as_posix(), heldout_every) for f in files]
-    result = Plan(root, files, sizes, held, None, source)
+    result = Plan(root, files, sizes, held, None, source, skipped)
     train_n, held_n = result.side_sizes()
     if train_n == 0 or held_n == 0:
         result.cut = result.total - result.total // heldout_every
     if result.total == 0:
-        raise DataError(f"{source}: the corpus is empty (0 bytes)")
+        raise DataError(f"{source}: the corpus is empty (0 bytes); {how_big(context, heldout_every)}")
     return result
 
 
@@ -158,14 +275,16 @@ def _read_in_memory(p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     return bufs[0], bufs[1]
 
 
-def load_corpus(path: str = "", heldout_every: int = 20, max_in_memory: int = 2 << 30) -> Corpus:
+def load_corpus(path: str = "", heldout_every: int = 20, max_in_memory: int = 2 << 30, binary: bool = False,
+                context: int = DataConfig.context) -> Corpus:
     """Train / held-out split by file. A single file (or a folder whose hash split leaves one side
     empty) holds out its last 1 / heldout_every of bytes instead. A prepared folder (its
     corpus.json; python train.py prepare) is read from disk as batches need it; a raw
-    corpus larger than max_in_memory bytes is an error that says how to prepare it."""
+    corpus larger than max_in_memory bytes is an error that says how to prepare it. binary and
+    context: as plan's."""
     if path and (Path(path).expanduser() / META).exists():
         return open_prepared(path)
-    p = plan(path, heldout_every)
+    p = plan(path, heldout_every, binary, context)
     if p.total > max_in_memory:
         src = shlex.quote(str(path))
         raise DataError(f"{p.source}: {p.total:,} bytes is more than data.max_in_memory = {max_in_memory:,}; "
@@ -174,7 +293,18 @@ def load_corpus(path: str = "", heldout_every: int = 20, max_in_memory: int = 2 
                         f"(then --data {shlex.quote(str(path).rstrip('/') + '.prepared')})")
     train, heldout = _read_in_memory(p)
     return Corpus(train=train, heldout=heldout, source=p.source, n_files=len(p.files),
-                  n_heldout_files=p.n_heldout_files())
+                  n_heldout_files=p.n_heldout_files(), skipped=p.skipped)
+
+
+def run_corpus(d: DataConfig, path: str | None = None) -> Corpus:
+    """A run's corpus (path, else its own data.path) with the run's data settings, checked to
+    hold a chunk on each side of the split: what eval and routes score."""
+    if path is None and d.path and not Path(d.path).expanduser().exists():
+        raise DataError(f"the run's own corpus {d.path} (its data.path) is not there any more; "
+                        "give the text to score with --data PATH")
+    corpus = load_corpus(d.path if path is None else path, d.heldout_every, d.max_in_memory, d.binary, d.context)
+    check_fits(corpus, d.context, d.heldout_every)
+    return corpus
 
 
 # --- prepared corpora: python train.py prepare SRC OUT ---------------------------------------
@@ -186,17 +316,17 @@ BINS = ("train.bin", "heldout.bin")
 BLOCK = 8 << 20  # bytes read and written at a time: prepare's memory does not grow with the corpus
 
 
-def prepare(src: str, out, heldout_every: int = 20, force: bool = False, progress=None) -> dict:
+def prepare(src: str, out, heldout_every: int = 20, force: bool = False, progress=None, binary: bool = False) -> dict:
     """Write OUT/train.bin, OUT/heldout.bin and OUT/corpus.json from a raw corpus, with the split
-    load_corpus would make. Streamed in blocks; written under temporary names and renamed at the
-    end, corpus.json last, so a folder with a corpus.json is always complete."""
+    load_corpus would make (binary: as plan's). Streamed in blocks; written under temporary names
+    and renamed at the end, corpus.json last, so a folder with a corpus.json is always complete."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise DataError(f"prepare: {out} exists and is not a folder")
     if out.exists() and any(out.iterdir()) and not force:
         raise DataError(f"prepare: {out} is not empty; choose an empty folder, or pass --force to replace "
                         "what a prepared corpus holds there")
-    p = plan(src, heldout_every)
+    p = plan(src, heldout_every, binary)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)  # from here until the end the folder is not a corpus
     tmps = [out / f".{name}.tmp" for name in BINS]
@@ -237,7 +367,8 @@ def prepare(src: str, out, heldout_every: int = 20, force: bool = False, progres
     meta = {"format": FORMAT, "version": VERSION, "source": p.source, "train_bytes": train_n,
             "heldout_bytes": held_n, "files": len(p.files), "heldout_files": p.n_heldout_files(),
             "heldout_every": heldout_every, "split": "tail" if p.cut is not None else "by-file",
-            "digest": p.digest()}
+            "digest": p.digest(), "skipped_files": p.skipped.total, "skipped_bytes": p.skipped.bytes,
+            "skipped": p.skipped.note(p.source)}
     tmp = out / f".{META}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, out / META)
@@ -327,15 +458,14 @@ def open_prepared(folder) -> Corpus:
                   n_files=int(meta["files"]), n_heldout_files=int(meta["heldout_files"]))
 
 
-def check_fits(corpus: Corpus, context: int) -> None:
+def check_fits(corpus: Corpus, context: int, heldout_every: int = DataConfig.heldout_every) -> None:
     need = context + 1
     for name, data in (("training", corpus.train), ("held-out", corpus.heldout)):
         if data.numel() < need:
             total = corpus.train.numel() + corpus.heldout.numel()
             raise DataError(
-                f"{corpus.source}: {data.numel():,} bytes of {name} text, but one chunk needs "
-                f"data.context + 1 = {need:,} bytes; give at least {need * 21:,} bytes of text in all "
-                f"(this corpus has {total:,}), or lower data.context")
+                f"{corpus.source}: {data.numel():,} bytes of {name} text (of {total:,}), but one chunk needs "
+                f"data.context + 1 = {need:,} bytes; {how_big(context, heldout_every)}")
 
 
 class Batches:

@@ -1,6 +1,7 @@
-"""Scoring a checkpoint on a user's own text: every byte of a file or folder, each predicted with
-as much context as the model's window allows (windows of the model's context, advanced by half
-a context; the first byte is predicted from a newline, as an empty prompt starts)."""
+"""Scoring a checkpoint on a user's own text (every byte of a file or a folder's text files) or on
+its run's own held-out split: each byte predicted with as much context as the model's window
+allows (windows of the model's context, advanced by half a context; the first byte is predicted
+from a newline, as an empty prompt starts)."""
 from __future__ import annotations
 
 import math
@@ -8,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from .data import META, DataError, folder_files, open_prepared
+from .data import META, DataError, FileBytes, Skipped, check_text, folder_files, open_prepared, run_corpus
 
 
-def read_bytes(path: str) -> torch.Tensor:
-    """Every byte of a file or folder (files in path order); of a prepared folder, its held-out
-    bytes."""
+def read_bytes(path: str, binary: bool = False) -> tuple[torch.Tensor, Skipped]:
+    """Every byte of a file or of a folder's text files (files in path order), and what the
+    folder skipped (data.folder_files); of a prepared folder, its held-out bytes. binary: read
+    files that are not text too (a file given alone is otherwise refused)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"--data {path}: no such file or folder")
@@ -21,12 +23,30 @@ def read_bytes(path: str) -> torch.Tensor:
         held = open_prepared(p).heldout
         if not held.numel():
             raise DataError(f"--data {path}: the prepared corpus has no held-out bytes to score")
-        return held.read().long()
-    files = [p] if p.is_file() else folder_files(p)
+        return held.read().long(), Skipped()
+    if p.is_file():
+        check_text(p, binary)
+        files, skipped = [p], Skipped()
+    else:
+        files, skipped = folder_files(p, binary)
     data = b"".join(f.read_bytes() for f in files)
     if not data:
-        raise DataError(f"--data {path}: no bytes to score")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        why = f" ({skipped.summary()})" if skipped.total else ""
+        raise DataError(f"--data {path}: no bytes to score{why}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), skipped
+
+
+def scored_bytes(cfg, path: str | None = None, binary: bool = False) -> tuple[torch.Tensor, str, str | None]:
+    """What eval scores: PATH's bytes (read_bytes), else the run's own held-out split, the
+    chunks routes takes theirs from (data.run_corpus). Returns the bytes, what they are, and a
+    line on what a folder skipped (None: nothing)."""
+    if path is not None:
+        data, skipped = read_bytes(path, binary)
+        return data, path, skipped.note(path)
+    cfg.data.binary = cfg.data.binary or binary
+    corpus = run_corpus(cfg.data)
+    held = corpus.heldout.read() if isinstance(corpus.heldout, FileBytes) else corpus.heldout
+    return held.long(), f"the run's held-out split of {corpus.source}", corpus.skipped.note(corpus.source)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""The history file, DIR/history.jsonl: one JSON record per checkpoint. Window gathers what
+"""The history file, DIR/history.jsonl: one JSON record per held-out evaluation (train.eval_every,
+and at every checkpoint; "checkpoint": whether one was written there). Window gathers what
 happened between two records (losses, characters, time, rows used, the routing's statistics and
 health); rewrite() trims the file to a resumed checkpoint; append() adds one record."""
 from __future__ import annotations

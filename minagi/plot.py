@@ -1,16 +1,22 @@
 """python -m minagi.plot DIR (or python train.py plot DIR): the history file drawn into
 DIR/history.png: held-out and train bits per byte, char/s, memory, load ratios, and the
 routing's health (first-row sink share and load entropy, dead slots).
-matplotlib is an optional extra: pip install matplotlib (or -e ".[plot]")."""
+matplotlib is an optional extra: python -m pip install "minagi[plot]" (a checkout: -e ".[plot]")."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
 
 class PlotError(RuntimeError):
     pass
+
+
+def install_hint() -> str:
+    """The command that installs the plot extra into the running Python (its own pip, a venv's)."""
+    return f'{shlex.quote(sys.executable)} -m pip install "minagi[plot]"'
 
 
 def plot_history(run_dir) -> Path:
@@ -24,7 +30,8 @@ def plot_history(run_dir) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise PlotError("plotting needs matplotlib, an optional extra: pip install matplotlib") from exc
+        raise PlotError(f"plotting needs matplotlib, an optional extra; install it into this Python with: "
+                        f"{install_hint()}") from exc
     recs = [json.loads(line) for line in hist_path.read_text().splitlines() if line.strip()]
     if not recs:
         raise PlotError(f"{hist_path} has no records yet")

@@ -16,18 +16,18 @@ import sys
 
 import torch
 
-from .data import check_fits, fixed_chunks, load_corpus
+from .data import fixed_chunks, run_corpus
 
 
-def measure(run_dir, data: str | None = None, chunks: int = 16, device: str = "cpu") -> dict:
+def measure(run_dir, data: str | None = None, chunks: int = 16, device: str = "cpu", binary: bool = False) -> dict:
     from .writer import load_model
 
     if chunks < 1:
         raise ValueError(f"--chunks must be >= 1, got {chunks}")
     model, cfg = load_model(run_dir, device)
     model.cfg.bucket_rows = False  # the grouped rows then count the same characters as the rectangle's
-    corpus = load_corpus(cfg.data.path if data is None else data, cfg.data.heldout_every, cfg.data.max_in_memory)
-    check_fits(corpus, cfg.data.context)
+    cfg.data.binary = cfg.data.binary or binary
+    corpus = run_corpus(cfg.data, data)
     x, _ = fixed_chunks(corpus.heldout, cfg.data.context, chunks, cfg.train.seed + 1)
     with torch.no_grad():
         out = model(x.to(device))
@@ -77,11 +77,12 @@ def main(argv) -> int:
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} routes", description=__doc__.split("\n\n")[0])
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
     p.add_argument("--data", default=None, help="held-out text from this corpus (default: the run's own)")
+    p.add_argument("--data-binary", action="store_true", help="read files that are not text too")
     p.add_argument("--chunks", type=int, default=16, help="held-out chunks in the batch (default 16)")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
-    m = measure(a.run, a.data, a.chunks, a.device)
+    m = measure(a.run, a.data, a.chunks, a.device, a.data_binary)
     print(json.dumps(m) if a.json else format_text(m))
     return 0
 

@@ -198,8 +198,9 @@ def _build_run(cfg: Config, out_dir: Path, ckpt: dict | None, device: torch.devi
     if dist.active and device.type == "cuda":
         device = torch.device("cuda", dist.local_rank)
     torch.set_num_threads(distributed.threads(cfg.train.threads, dist))
-    corpus = load_corpus(cfg.data.path, cfg.data.heldout_every, cfg.data.max_in_memory)
-    check_fits(corpus, cfg.data.context)
+    d = cfg.data
+    corpus = load_corpus(d.path, d.heldout_every, d.max_in_memory, d.binary, d.context)
+    check_fits(corpus, d.context, d.heldout_every)
     path = resolve_path(cfg.model.dispatch, device)
     check_card_fits(cfg.model.n_slots, device)
     ep = _expert_parallel(cfg, dist)

@@ -1,6 +1,6 @@
 """The training loop: AdamW (off-card experts untouched), warmup + cosine, gradient clipping,
-gradient accumulation, bfloat16 autocast on GPUs, held-out bits per byte, atomic
-checkpoints, exact resume, and the history file (one JSON record per checkpoint). Under torchrun
+gradient accumulation, bfloat16 autocast on GPUs, held-out bits per byte, atomic checkpoints,
+exact resume, and the history file (one JSON record per held-out evaluation). Under torchrun
 the same loop trains one model on every rank (minagi/distributed.py): rank 0 writes the
 checkpoints, the history and the progress.
 
@@ -61,7 +61,8 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
         run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
             bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
-            for note in (*notes, world_note(run)):  # what a resume changed or ignores: even with --quiet
+            # What a resume changed or ignores, and what the corpus's folder skipped: even with --quiet.
+            for note in (*notes, world_note(run), corpus.skipped.note(corpus.source)):
                 if note and run.dist.main:
                     bar.write(note, always=True)
             bar.write(describe(run, corpus, resume))
@@ -72,7 +73,7 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
 
 def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: GracefulStop) -> dict:
     """Steps until the run's length or a stop; each step trained, counted and shown, then (when
-    due) scored on the held-out chunks and checkpointed with its history record."""
+    due) scored on the held-out chunks, recorded in the history, and checkpointed."""
     t = run.cfg.train
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, run.out_dir), time.perf_counter(), None
     trim = allocator.HeapTrim(t.malloc_trim_every if run.device.type == "cpu" else 0)
@@ -83,8 +84,7 @@ def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: 
         last = run.step == t.steps or stop
         if evaluates(t, run.step, last):
             _evaluate(run, heldout, bar)
-        if checkpoints(t, run.step, last):
-            record, window = _checkpoint(run, window, t_start)
+            record, window = _record(run, window, t_start, checkpoints(t, run.step, last))
             sinks.check(record)
         if stop:
             break
@@ -150,17 +150,23 @@ def _evaluate(run: Run, heldout, bar: Progress) -> None:
     bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits per byte")
 
 
-def _checkpoint(run: Run, window: Window, t_start: float):
-    """The history record and checkpoint at this step; returns (record, the window to go on
-    with). A run stopped between records keeps its window in the checkpoint, so the record after
-    a resume covers the same steps as an uninterrupted run's."""
-    between = run.step % run.cfg.train.checkpoint_every != 0 and run.step != run.cfg.train.steps
+def _record(run: Run, window: Window, t_start: float, save: bool):
+    """The history record at this held-out evaluation, with the checkpoint where one is due;
+    returns (record, the window to go on with). A run stopped between records keeps its window in
+    the checkpoint, so the record after a resume covers the same steps as an uninterrupted run's.
+    A resume trims the history to its checkpoint's step, and its exact steps write the records
+    after it again."""
+    t = run.cfg.train
+    between = run.step % t.eval_every != 0 and run.step % t.checkpoint_every != 0 and run.step != t.steps
     record = {"step": run.step, **window.record(), "heldout_bpc": run.last_bpc, **memory_stats(run.device),
-              "time_s": run.elapsed0 + time.perf_counter() - t_start}
+              "time_s": run.elapsed0 + time.perf_counter() - t_start, "checkpoint": save}
     if run.ep is not None:  # rank 0's all-to-all traffic per step, forward and backward
         record["a2a_bytes_per_step"] = run.ep.take_sent()
     window = window if between else Window()
-    _save(run, window, record)
+    if save:
+        _save(run, window, record)
+    elif run.dist.main:
+        history.append(run.out_dir / history.HISTORY, record)
     return record, window
 
 

@@ -174,3 +174,74 @@ def test_bench_data_small(tmp_path):
     assert res["corpus_bytes"] >= 0.01 * 2**30 * 0.99 and res["prepare"]["mb_per_s"] > 0
     assert set(res["runs"]) == {"default corpus", "prepared corpus", "default corpus prepared"}
     assert all(run["char_per_s"] > 0 and run["startup_s"] > 0 for run in res["runs"].values())
+
+
+# --- what a folder is read as, and files that are not text ----------------------------------
+
+@pytest.fixture
+def mixed(tmp_path):
+    """Text files beside what a folder also holds: bytecode, hidden files and folders, binaries."""
+    d = tmp_path / "mixed"
+    (d / "pkg" / "__pycache__").mkdir(parents=True)
+    (d / ".git").mkdir()
+    (d / "a.py").write_text("def a():\n    return 1\n" * 200)
+    (d / "pkg" / "b.txt").write_text("naïve café — text\n" * 200)
+    cut = "x" * 4095 + "é" + "y" * 100  # a character cut by the text probe's end is still text
+    (d / "pkg" / "cut.txt").write_text(cut)
+    (d / "pkg" / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"\x00\x01" * 300)
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (d / ".env").write_text("SECRET=1\n")
+    (d / "blob.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" * 50)
+    (d / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1") * 50)
+    return d
+
+
+def test_a_folder_is_read_as_its_text_files(mixed):
+    from minagi.data import folder_files
+
+    files, skipped = folder_files(mixed)
+    assert [f.relative_to(mixed).as_posix() for f in files] == ["a.py", "pkg/b.txt", "pkg/cut.txt"]
+    assert skipped.files == {"hidden": 2, "in __pycache__": 1, "not text": 2}
+    assert skipped.bytes == 600 + 21 + 9 + 500 + 250
+    note = skipped.note(str(mixed))
+    assert note.count("\n") == 0 and "skipped 5 files (1,380 bytes)" in note and "--data-binary" in note
+    c = load_corpus(str(mixed))
+    assert c.train.numel() + c.heldout.numel() == sum(f.stat().st_size for f in files)
+    assert c.skipped.total == 5
+    files, skipped = folder_files(mixed, binary=True)  # binaries read; hidden and bytecode still not
+    assert len(files) == 5 and skipped.files == {"hidden": 2, "in __pycache__": 1}
+
+
+def test_a_binary_file_is_refused_unless_allowed(mixed, tmp_path):
+    with pytest.raises(DataError, match=r"blob.bin is not text \(a NUL byte at offset 8 .*--data-binary"):
+        load_corpus(str(mixed / "blob.bin"))
+    with pytest.raises(DataError, match=r"latin1.txt is not text \(not UTF-8 at offset 3 "):
+        load_corpus(str(mixed / "latin1.txt"))
+    assert load_corpus(str(mixed / "blob.bin"), binary=True).train.numel() > 0
+    from minagi.config import load
+    assert load("cpu-tiny", ["data.binary=true"]).data.binary
+    r = _cli("--data", str(mixed / "blob.bin"), "--out", str(tmp_path / "r"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--data-binary" in r.stderr, r.stderr
+    with pytest.raises(DataError, match=r"no text files to read \(skipped 1 files \(600 bytes\): 1 not text"):
+        load_corpus(str(mixed / "pkg" / "__pycache__"))  # a folder of nothing but what is skipped says so
+
+
+def test_an_empty_corpus_says_how_big_it_must_be(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match=r"empty \(0 bytes\); give at least 2,709 bytes of text in all"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    with pytest.raises(DataError, match=r"give at least 1,353 bytes .*data.context \+ 1 = 33 bytes"):
+        load_corpus(str(tmp_path / "empty.txt"), heldout_every=40, context=32)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(DataError, match=r"no text files to read \(an empty folder\); give at least 2,709 bytes"):
+        load_corpus(str(tmp_path / "none"))
+
+
+def test_a_run_says_what_its_folder_skipped(mixed, tmp_path, capsys):
+    from minagi.config import load
+    from minagi.trainer import train
+
+    cfg = load("cpu-tiny", [*TINY, f"data.path={mixed}", "train.steps=1"])
+    train(cfg, tmp_path / "run", progress=False)
+    err = capsys.readouterr().err
+    assert f"minagi: {mixed}: skipped 5 files (1,380 bytes): 2 hidden" in err

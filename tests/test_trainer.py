@@ -125,6 +125,39 @@ def test_cli_errors_name_the_problem(args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_wrong_length_names_the_setting_and_the_flag(capsys):
+    from minagi.cli import main
+
+    assert main(["--steps", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--steps -5:" in err and "give --steps 1 or more" in err
+    with pytest.raises(ConfigError, match=r"^train.steps must be >= 1 .*--steps N sets it\), got 0$"):
+        load("cpu-tiny", ["train.steps=0"])
+    with pytest.raises(ConfigError, match=r"^train.batch must be >= 1 .*, got -2$"):
+        load("cpu-tiny", ["train.batch=-2"])
+
+
+def test_history_has_a_record_at_every_evaluation_and_resumes_between_checkpoints(tmp_path, text_file):
+    sets = [*TINY, f"data.path={text_file}", "train.steps=8", "train.eval_every=2", "train.checkpoint_every=4"]
+    train(load("cpu-tiny", sets), tmp_path / "whole", progress=False)
+    whole = _history(tmp_path / "whole")
+    assert [(r["step"], r["checkpoint"]) for r in whole] == [(2, False), (4, True), (6, False), (8, True)]
+    assert all(HISTORY_FIELDS <= set(r) for r in whole)
+
+    def crash(info):  # a crash after step 7: the checkpoint is step 4's, the history goes on to 6
+        if info.step == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(load("cpu-tiny", sets), tmp_path / "crashed", progress=False, callbacks=[crash])
+    assert [r["step"] for r in _history(tmp_path / "crashed")] == [2, 4, 6]
+    train(load("cpu-tiny", sets), tmp_path / "crashed", resume=True, progress=False)
+    again = _history(tmp_path / "crashed")
+    assert [r["step"] for r in again] == [2, 4, 6, 8]
+    for x, y in zip(whole, again):
+        assert (x["train_loss"], x["heldout_bpc"]) == (y["train_loss"], y["heldout_bpc"]), (x, y)
+
+
 def test_corpus_smaller_than_a_chunk(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("print('hello')\n" * 4)
@@ -132,7 +165,7 @@ def test_corpus_smaller_than_a_chunk(tmp_path):
     assert r.returncode == 2 and "one chunk needs data.context + 1 = 129 bytes" in r.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DataError, match="no files to read"):
+    with pytest.raises(DataError, match="no text files to read \\(an empty folder\\); give at least"):
         load_corpus(str(empty))
 
 

@@ -149,11 +149,66 @@ def test_plot_writes_a_png(run_dir):
     assert (run_dir / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plot_without_matplotlib_says_how_to_get_it(run_dir):
-    code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from minagi.cli import main; sys.exit(main(['plot', sys.argv[1]]))")
-    r = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "pip install matplotlib" in r.stderr
+def test_plot_without_matplotlib_says_how_to_get_it(run_dir, monkeypatch, capsys):
+    from minagi.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it fails
+    assert main(["plot", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f'{sys.executable} -m pip install "minagi[plot]"' in err, err
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A run of two steps on a small text file: its held-out split is quick to score."""
+    d = tmp_path_factory.mktemp("text_run")
+    (d / "corpus.txt").write_text("def f(x):\n    return x * 2\n" * 400)
+    cfg = load("cpu-tiny", ["train.steps=2", "train.eval_chunks=2", "model.d_model=32", "model.n_heads=2",
+                            "model.d_hidden=48", "data.context=32", f"data.path={d / 'corpus.txt'}"])
+    train(cfg, d / "run", progress=False)
+    return d / "run"
+
+
+def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
+    from minagi.cli import main
+    from minagi.data import run_corpus
+    from minagi.evaluate import scored_bytes
+
+    model, cfg = load_model(text_run)
+    data, what, note = scored_bytes(cfg)
+    held = run_corpus(cfg.data).heldout
+    assert torch.equal(data, held.long()) and what.startswith("the run's held-out split of") and note is None
+    assert main(["eval", str(text_run)]) == 0
+    out = capsys.readouterr()
+    assert f"scoring {held.numel():,} bytes of the run's held-out split" in out.err
+    assert float(out.out.strip()) == pytest.approx(bits_per_byte(model, data, cfg.data.context), abs=1e-4)
+
+
+def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_path, capsys):
+    from minagi.cli import main
+
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00" * 100)
+    (tmp_path / "m.py").write_text("x = 1\n" * 20)
+    assert main(["eval", str(text_run), "--data", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 files (100 bytes): 1 in __pycache__" in err and "scoring 120 bytes" in err
+    assert main(["eval", str(text_run), "--data", str(tmp_path / "__pycache__" / "m.cpython-311.pyc")]) == 2
+    assert "is not text (a NUL byte at offset 0" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_checkpoint_is_one_line(text_run, tmp_path, capsys):
+    import argparse
+
+    from minagi.cli import main
+
+    torch.save(argparse.Namespace(steps=1), tmp_path / "other.pt")  # unpickling it is refused
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    for path, why in ((tmp_path / "other.pt", "holds Python objects beyond tensors"),
+                      (tmp_path / "notes.txt", "not a file torch.save wrote")):
+        assert main(["write", str(path), "--chars", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err and "give the folder of a minagi run" in err, err
 
 
 def test_bench_write_command(run_dir):

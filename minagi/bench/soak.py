@@ -194,7 +194,9 @@ def plot(samples: list[dict], path: Path, title: str) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("soak: no PNG (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
+        from ..plot import install_hint
+
+        print(f"soak: no PNG (matplotlib is not installed: {install_hint()})", file=sys.stderr)
         return None
     t = [s["elapsed_s"] / 60 for s in samples]
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)

@@ -35,6 +35,31 @@ def test_a_profile_path_still_works(tmp_path):
         config.load("cpu-tinyy")
 
 
+def test_a_profile_names_its_base(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text('base = "cpu-tiny"\n[model]\ntop_k = 4\n')
+    cfg, tiny = config.load(str(mine)), config.load("cpu-tiny")
+    assert (cfg.profile, cfg.model.top_k) == ("mine", 4)
+    assert cfg.model.ngram == tiny.model.ngram and cfg.train.steps == tiny.train.steps  # the rest from the base
+    (tmp_path / "more.toml").write_text('base = "mine.toml"\n[train]\nsteps = 9\n')  # a path, from the file's folder
+    more = config.load(str(tmp_path / "more.toml"))
+    assert (more.model.top_k, more.model.ngram, more.train.steps) == (4, tiny.model.ngram, 9)
+    mine.write_text('[model]\ntop_k = 4\n')  # no base: the dataclasses' defaults
+    assert config.load(str(mine)).model.ngram == config.ModelConfig().ngram
+
+
+@pytest.mark.parametrize("base,message", [
+    ('"cpu-tinyy"', r"mine.toml: base = 'cpu-tinyy': unknown profile 'cpu-tinyy' \(did you mean cpu-tiny"),
+    ('"mine.toml"', r"mine.toml: base = 'mine.toml' leads back to itself"),
+    ("4", r"mine.toml: base must be a profile name or a .toml path in quotes, got 4"),
+])
+def test_a_bad_base_is_one_line(tmp_path, base, message):
+    (tmp_path / "mine.toml").write_text(f"base = {base}\n")
+    with pytest.raises(config.ConfigError, match=message) as info:
+        config.load(str(tmp_path / "mine.toml"))
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("cmd", SUBCOMMANDS)
 def test_every_subcommand_has_help(cmd):
     r = subprocess.run([sys.executable, "-m", "minagi", cmd, "--help"], capture_output=True, text=True, timeout=120)

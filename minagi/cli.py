@@ -1,7 +1,7 @@
 """The command line behind train.py:
 
     python train.py [--profile cpu-tiny] [--data PATH] [--out DIR] [--steps N] [--set k=v]... [--resume]
-    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
     python train.py eval DIR --data PATH
     python train.py plot DIR
     python train.py routes DIR [--data PATH] [--chunks N] [--json]
@@ -92,6 +92,8 @@ def run_train(argv) -> int:
 
 def run_write(argv) -> int:
     """write text from a checkpoint"""
+    from .writer import NGRAM_WINDOW, NO_REPEAT_NGRAM
+
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} write", description="Write text from a checkpoint.",
                                 formatter_class=HelpFormatter)
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
@@ -101,12 +103,15 @@ def run_write(argv) -> int:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: draw from the likeliest bytes "
                    "holding this much probability, in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (the same seed writes the same text)")
+    p.add_argument("--no-repeat-ngram", type=int, default=NO_REPEAT_NGRAM, metavar="N",
+                   help=f"never repeat a sequence of N bytes already in the last {NGRAM_WINDOW} (no run of one "
+                   "byte longer than N, no line looped forever); 0 = off")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     a = p.parse_args(argv)
     from .writer import run_write as write
 
     try:
-        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device)
+        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device, a.no_repeat_ngram)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return 0

@@ -2,7 +2,7 @@
 """Train a minagi byte model, and write from it, score it, plot it:
 
     python train.py [--profile cpu-tiny] [--data PATH] [--out DIR] [--steps N] [--set k=v]... [--resume]
-    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
     python train.py eval DIR --data PATH
     python train.py plot DIR
     python train.py routes DIR [--data PATH] [--chunks N] [--json]

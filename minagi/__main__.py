@@ -10,6 +10,7 @@ import sys
 
 
 def doctor() -> int:
+    """what this install runs on: extension, ops, threads, allocator"""
     import torch
 
     from . import _backend, allocator
@@ -47,24 +48,25 @@ def doctor() -> int:
     return 0
 
 
-USAGE = """usage: minagi COMMAND [options]   (or python -m minagi COMMAND)
+def commands() -> tuple[str, ...]:
+    from . import cli
 
-  train   train a model (python train.py in a checkout)   minagi train --help
-  write   write text from a checkpoint                     minagi write DIR --chars N
-  eval    bits per byte of a checkpoint on your text       minagi eval DIR --data PATH
-  plot    draw a run's history                             minagi plot DIR
-  routes  how a checkpoint routes, row by row              minagi routes DIR
-  prepare a corpus once, read from disk by training        minagi prepare SRC OUT
-  doctor  what this install runs on (extension, threads, allocator)
-  bench   benchmarks: dispatch, train, write, quality, soak"""
+    return ("train", *cli.COMMANDS, "doctor", "bench")
 
-COMMANDS = ("train", "write", "eval", "plot", "routes", "prepare", "doctor", "bench")
+
+def usage(prog: str) -> str:
+    """Every command and every benchmark, a line each (from minagi.cli's and minagi.bench's tables)."""
+    from .cli import command_list
+
+    more = {"doctor": doctor.__doc__, "bench": "a benchmark, from the list below"}
+    also = "   (or python -m minagi COMMAND)" if prog == "minagi" else ""
+    return f"usage: {prog} COMMAND [options]{also}\n\n{command_list(prog, more)}"
 
 
 def main(argv=None, prog: str = "python -m minagi") -> int:
     command_line, argv = argv is None, sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        print(usage(prog), file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "doctor":
@@ -73,12 +75,12 @@ def main(argv=None, prog: str = "python -m minagi") -> int:
         from .bench.__main__ import main as bench_main
 
         return bench_main(rest, command_line=command_line)
-    if cmd not in COMMANDS:
+    if cmd not in commands():
         import difflib
 
-        near = difflib.get_close_matches(cmd, COMMANDS, n=1)
+        near = difflib.get_close_matches(cmd, commands(), n=1)
         print(f"{prog}: unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; "
-              f"the commands are {', '.join(COMMANDS)}", file=sys.stderr)
+              f"the commands are {', '.join(commands())}", file=sys.stderr)
         return 2
     from .cli import main as cli_main
 

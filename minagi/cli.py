@@ -1,7 +1,7 @@
 """The command line behind train.py:
 
     python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
-    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
     python train.py eval DIR [--data PATH] [--data-binary]
     python train.py plot DIR
     python train.py routes DIR [--data PATH] [--data-binary] [--chunks N] [--json]
@@ -22,20 +22,21 @@ from .data import DataError
 from .distributed import DistributedError, launched, rank
 from .guard import Diverged, Interrupted, release_early_signals
 from .plot import PlotError
-from .prog import PROG
+from .prog import PROG, HelpFormatter, ListHelpFormatter
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError, DistributedError)
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG["train"], description="Train a minagi byte model.")
+    p = argparse.ArgumentParser(prog=PROG["train"], description="Train a minagi byte model.",
+                                formatter_class=ListHelpFormatter, epilog=command_list(PROG["sub"]))
     p.add_argument("--profile", default=None, help=f"a packaged profile ({', '.join(profile_names())}) "
                    f"or a path to a .toml file (default {DEFAULT_PROFILE})")
     p.add_argument("--data", default=None, help="a text file, a folder of text files, or a prepared corpus folder (default: the Python standard library's source)")
     p.add_argument("--data-binary", action="store_true",
                    help="read files that are not text too (= --set data.binary=true)")
     p.add_argument("--out", default=None, help="run folder for checkpoint.pt and history.jsonl (default runs/PROFILE)")
-    p.add_argument("--steps", type=int, default=None, help="length of the whole run, schedule included (= --set train.steps=N)")
+    p.add_argument("--steps", type=int, default=None, help="length of the whole run, schedule included (= --set train.steps=N; default: the profile's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a profile value, e.g. --set model.top_k=4 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt with the settings saved there")
@@ -43,7 +44,20 @@ def train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def command_list(prog: str, more: dict[str, str] | None = None) -> str:
+    """The subcommands and the benchmarks, a line each, for train.py's and the minagi command's
+    --help: from COMMANDS (each function's docstring), `more` (name: line), and minagi.bench's table."""
+    from .bench.__main__ import bench_list
+
+    bench = "python -m minagi.bench" if prog == "python train.py" else f"{prog} bench"
+    lines = [f"commands ({prog} COMMAND --help: its options):"]
+    lines += [f"  {name:<9} {fn.__doc__.splitlines()[0]}" for name, fn in {"train": run_train, **COMMANDS}.items()]
+    lines += [f"  {name:<9} {line}" for name, line in (more or {}).items()]
+    return "\n".join(lines) + "\n" + bench_list(f"{bench} NAME --help: its options")
+
+
 def run_train(argv) -> int:
+    """train a model (in a checkout: python train.py, no command)"""
     args = train_parser().parse_args(argv)
     overrides = list(args.overrides)
     if args.steps is not None and args.steps < 1:
@@ -84,31 +98,40 @@ def run_train(argv) -> int:
 
 
 def run_write(argv) -> int:
-    p = argparse.ArgumentParser(prog=f"{PROG['sub']} write", description="Write text from a checkpoint.")
+    """write text from a checkpoint"""
+    from .writer import NGRAM_WINDOW, NO_REPEAT_NGRAM
+
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} write", description="Write text from a checkpoint.",
+                                formatter_class=HelpFormatter)
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
     p.add_argument("--prompt", default="", help="text to continue (default: start from a newline)")
     p.add_argument("--chars", type=int, default=400, help="characters (bytes) to write")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, >= 0; 0 = greedy (the likeliest byte)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: draw from the likeliest bytes "
+                   "holding this much probability, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (the same seed writes the same text)")
+    p.add_argument("--no-repeat-ngram", type=int, default=NO_REPEAT_NGRAM, metavar="N",
+                   help=f"never repeat a sequence of N bytes already in the last {NGRAM_WINDOW} (no run of one "
+                   "byte longer than N, no line looped forever); 0 = off")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     a = p.parse_args(argv)
     from .writer import run_write as write
 
     try:
-        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device)
+        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device, a.no_repeat_ngram)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return 0
 
 
 def run_eval(argv) -> int:
-    p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per byte of a checkpoint on your text (the last line of the output).")
+    """bits per byte of a checkpoint on your text"""
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per byte of a checkpoint on your text (the last line of the output).",
+                                formatter_class=HelpFormatter)
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
-    p.add_argument("--data", default=None, help="a text file or a folder of them: every byte is scored "
-                   "(default: the run's own held-out split)")
-    p.add_argument("--data-binary", action="store_true", help="score files that are not text too")
-    p.add_argument("--device", default="cpu")
+    python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
+    python train.py eval DIR [--data PATH] [--data-binary]
     a = p.parse_args(argv)
     from .evaluate import bits_per_byte, scored_bytes
     from .writer import load_model
@@ -123,15 +146,18 @@ def run_eval(argv) -> int:
 
 
 def run_prepare(argv) -> int:
+    """prepare a corpus once, read from disk by training"""
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} prepare", description=(
         "Prepare a corpus once: OUT/train.bin and OUT/heldout.bin (raw bytes, split as training would "
-        "split SRC) and OUT/corpus.json. Training, eval and routes then memory-map it (--data OUT)."))
+        "split SRC) and OUT/corpus.json. Training, eval and routes then memory-map it (--data OUT)."),
+        formatter_class=HelpFormatter)
     p.add_argument("src", metavar="SRC", help="a text file or a folder of text files")
     p.add_argument("out", metavar="OUT", help="an empty (or new) folder")
     p.add_argument("--heldout-every", type=int, default=20, help="hold out every Nth file (default 20, as data.heldout_every)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
-    p.add_argument("--data-binary", action="store_true", help="read files that are not text too")
-    p.add_argument("--quiet", action="store_true")
+    python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
+    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
+    python train.py eval DIR [--data PATH] [--data-binary]
     a = p.parse_args(argv)
     from .data import prepare
 
@@ -172,15 +198,18 @@ class ByteProgress:
 
 
 def run_plot(argv) -> int:
+    """draw a run's history into DIR/history.png"""
     from .plot import plot_history
 
-    p = argparse.ArgumentParser(prog=f"{PROG['sub']} plot", description="Draw DIR/history.jsonl into DIR/history.png.")
-    p.add_argument("run", metavar="DIR")
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} plot", description="Draw DIR/history.jsonl into DIR/history.png.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("run", metavar="DIR", help="run folder")
     print(plot_history(p.parse_args(argv).run))
     return 0
 
 
 def run_routes(argv) -> int:
+    """how a checkpoint routes, row by row"""
     from .routes import main as routes
 
     try:

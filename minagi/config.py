@@ -208,22 +208,49 @@ def profile_path(name: str):
 
 
 def load(profile: str = DEFAULT_PROFILE, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The profile's config with `section.key=value` overrides applied, checked by validate()."""
+    """The profile's config with `section.key=value` overrides applied, checked by validate().
+    A field the profile does not set comes from its base profile (`base = "cpu-tiny"` at the top
+    of the file), else from the dataclasses' defaults above."""
     path = profile_path(profile)
+    cfg = Config(profile=path.name.removesuffix(".toml"))
+    _apply_profile(cfg, path, chain=())
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def _apply_profile(cfg: Config, path, chain: tuple) -> None:
+    """Set the fields of the profile at `path` on cfg, after those of its base (if it names one)."""
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {path} is not valid TOML: {exc}") from exc
-    cfg = Config(profile=path.name.removesuffix(".toml"))
+    if "base" in raw:
+        _apply_profile(cfg, _base_path(raw.pop("base"), path, chain), (*chain, str(path)))
     for section, table in raw.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]{_close(section, SECTIONS)}")
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]{_close(section, SECTIONS)} "
+                              "(or base = \"PROFILE\")")
         _section(cfg, section)
         for key, value in table.items():
             _set(cfg, section, key, value, source=str(path.name))
-    apply_overrides(cfg, overrides)
-    validate(cfg)
-    return cfg
+
+
+def _base_path(base, path, chain: tuple):
+    """The profile a `base = ...` line names: a packaged name, or a .toml path (relative to the
+    profile that names it)."""
+    if not isinstance(base, str):
+        raise ConfigError(f"{path.name}: base must be a profile name or a .toml path in quotes, got {base!r}")
+    given = base
+    if base.endswith(".toml") and not Path(base).is_absolute() and isinstance(path, Path):
+        base = str(path.parent / base)
+    try:
+        found = profile_path(base)
+    except ConfigError as exc:
+        raise ConfigError(f"{path.name}: base = {given!r}: {exc}") from None
+    if str(found) in (*chain, str(path)):
+        raise ConfigError(f"{path.name}: base = {given!r} leads back to itself; one of the profiles must not name a base")
+    return found
 
 
 def apply_overrides(cfg: Config, overrides) -> None:

@@ -72,15 +72,16 @@ def format_text(m: dict) -> str:
 
 
 def main(argv) -> int:
-    from .prog import PROG
+    from .prog import PROG, HelpFormatter
 
-    p = argparse.ArgumentParser(prog=f"{PROG['sub']} routes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{PROG['sub']} routes", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
     p.add_argument("--data", default=None, help="held-out text from this corpus (default: the run's own)")
     p.add_argument("--data-binary", action="store_true", help="read files that are not text too")
     p.add_argument("--chunks", type=int, default=16, help="held-out chunks in the batch (default 16)")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     a = p.parse_args(argv)
     m = measure(a.run, a.data, a.chunks, a.device, a.data_binary)
     print(json.dumps(m) if a.json else format_text(m))

@@ -1,6 +1,7 @@
 """Installing like a library: profiles shipped in the package, the minagi command and its
 subcommands, and the message when a source tree shadows an installed build. (CI also builds a
 wheel, installs it in a fresh venv and trains from an empty folder: .ci/run.)"""
+import argparse
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from minagi import _backend, config
+from minagi.prog import shows_default
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBCOMMANDS = ["train", "write", "eval", "plot", "routes", "bench"]
@@ -33,6 +35,79 @@ def test_a_profile_path_still_works(tmp_path):
         config.load(str(tmp_path / "missing.toml"))
     with pytest.raises(config.ConfigError, match=r"unknown profile 'cpu-tinyy' \(did you mean cpu-tiny"):
         config.load("cpu-tinyy")
+
+
+def test_a_profile_names_its_base(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text('base = "cpu-tiny"\n[model]\ntop_k = 4\n')
+    cfg, tiny = config.load(str(mine)), config.load("cpu-tiny")
+    assert (cfg.profile, cfg.model.top_k) == ("mine", 4)
+    assert cfg.model.ngram == tiny.model.ngram and cfg.train.steps == tiny.train.steps  # the rest from the base
+    (tmp_path / "more.toml").write_text('base = "mine.toml"\n[train]\nsteps = 9\n')  # a path, from the file's folder
+    more = config.load(str(tmp_path / "more.toml"))
+    assert (more.model.top_k, more.model.ngram, more.train.steps) == (4, tiny.model.ngram, 9)
+    mine.write_text('[model]\ntop_k = 4\n')  # no base: the dataclasses' defaults
+    assert config.load(str(mine)).model.ngram == config.ModelConfig().ngram
+
+
+@pytest.mark.parametrize("base,message", [
+    ('"cpu-tinyy"', r"mine.toml: base = 'cpu-tinyy': unknown profile 'cpu-tinyy' \(did you mean cpu-tiny"),
+    ('"mine.toml"', r"mine.toml: base = 'mine.toml' leads back to itself"),
+    ("4", r"mine.toml: base must be a profile name or a .toml path in quotes, got 4"),
+])
+def test_a_bad_base_is_one_line(tmp_path, base, message):
+    (tmp_path / "mine.toml").write_text(f"base = {base}\n")
+    with pytest.raises(config.ConfigError, match=message) as info:
+        config.load(str(tmp_path / "mine.toml"))
+    assert "\n" not in str(info.value)
+
+
+def _parser_of(monkeypatch, command, argv=()):
+    """The ArgumentParser a command builds, caught as it parses."""
+    caught = []
+
+    def catch(self, args=None, namespace=None):
+        caught.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(SystemExit):
+        command(list(argv))
+    return caught[0]
+
+
+def _commands():
+    from minagi import cli
+    from minagi.bench.__main__ import BENCHES
+
+    found = {"train": lambda argv: cli.train_parser().parse_args(argv)}
+    found.update(cli.COMMANDS)
+    found.update({f"bench {name}": fn for name, (fn, _) in BENCHES.items()})
+    return found
+
+
+@pytest.mark.parametrize("name", list(_commands()))
+def test_every_option_has_a_help_line_and_its_default(monkeypatch, name):
+    parser = _parser_of(monkeypatch, _commands()[name])
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        where = f"{name} {'/'.join(action.option_strings) or action.dest}"
+        assert action.help, f"{where} has no help line"
+        assert not shows_default(action) or "default" in formatter._get_help_string(action), \
+            f"{where} does not show its default"
+
+
+def test_the_top_level_help_names_every_command_and_bench():
+    from minagi import cli
+    from minagi.__main__ import commands, usage
+    from minagi.bench.__main__ import BENCHES
+
+    for text in (cli.train_parser().format_help(), usage("minagi")):
+        for name in [*cli.COMMANDS, *BENCHES]:
+            assert f"\n  {name} " in text, f"{name} missing from the help"
+    assert all(f"\n  {name} " in usage("minagi") for name in commands())
 
 
 @pytest.mark.parametrize("cmd", SUBCOMMANDS)

@@ -12,7 +12,7 @@ from minagi.config import load
 from minagi.evaluate import bits_per_byte
 from minagi.model import ByteModel
 from minagi.trainer import train
-from minagi.writer import load_model, prepare_prompt, write
+from minagi.writer import NO_REPEAT_NGRAM, banned_bytes, load_model, prepare_prompt, write
 
 from conftest import assert_close
 from test_model import small
@@ -88,6 +88,80 @@ def test_writing_is_deterministic_under_a_seed(run_dir):
     b = write(model, b"def ", 40, seed=3)
     c = write(model, b"def ", 40, seed=4)
     assert a.text == b.text and len(a.text) == 40 and a.text != c.text
+
+
+LINE = b"print(x)\n"  # no byte twice: each one says where the line goes on
+
+
+class LoopModel(torch.nn.Module):
+    """A toy model whose likeliest next byte always continues LINE: greedy writing loops over it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rest = torch.nn.Parameter(torch.randn(256, generator=torch.Generator().manual_seed(0)))
+
+    def new_cache(self):
+        return None
+
+    def step(self, idx, cache):
+        last = int(idx[0, -1])
+        logits = self.rest.detach().clone()
+        logits[LINE[(LINE.index(last) + 1) % len(LINE)] if last in LINE else LINE[0]] = 10.0
+        return type("Out", (), {"logits": logits.view(1, 1, 256)})
+
+
+def _unique_ngrams(text: bytes, n: int) -> bool:
+    grams = [text[i:i + n] for i in range(len(text) - n + 1)]
+    return len(set(grams)) == len(grams)
+
+
+def test_banned_bytes_are_those_that_would_repeat_an_ngram():
+    assert banned_bytes(b"abcab", 3) == [ord("c")]
+    assert banned_bytes(b"abxab_ab", 3) == [ord("_"), ord("x")]
+    assert banned_bytes(b"aaaa", 4) == [ord("a")] and banned_bytes(b"aaa", 4) == []
+    assert banned_bytes(b"abcab", 0) == []
+    assert banned_bytes(b"abc" + b"." * 20 + b"ab", 3, window=10) == []  # the earlier copy is out of the window
+
+
+def test_the_ngram_block_breaks_a_greedy_loop_and_zero_turns_it_off():
+    model, prompt = LoopModel(), b"\n"
+    looped = write(model, prompt, 120, temperature=0, no_repeat_ngram=0).text
+    assert looped == (LINE * 20)[:120]  # off: plain greedy, the line forever
+    for n in (8, NO_REPEAT_NGRAM):
+        text = write(model, prompt, 120, temperature=0, no_repeat_ngram=n).text
+        assert text != looped and text.startswith(LINE)  # the first copy is written as before
+        assert _unique_ngrams(prompt + text, n)
+    assert write(model, prompt, 120, temperature=0).text == write(model, prompt, 120, temperature=0,
+                                                                  no_repeat_ngram=NO_REPEAT_NGRAM).text
+    sampled = write(model, prompt, 200, temperature=1.0, top_p=0.9, seed=1, no_repeat_ngram=8).text
+    assert _unique_ngrams(prompt + sampled, 8)
+
+
+def test_the_ngram_block_ends_a_run_of_one_byte():
+    model = LoopModel()
+    with torch.no_grad():
+        model.rest.zero_()
+    model.step = lambda idx, cache: type("Out", (), {"logits": torch.eye(256)[32].view(1, 1, 256)})
+    assert write(model, b" ", 50, temperature=0, no_repeat_ngram=0).text == b" " * 50
+    text = write(model, b" ", 50, temperature=0, no_repeat_ngram=6).text
+    assert b" " * 7 not in b" " + text and b" " * 6 in b" " + text
+
+
+@pytest.mark.parametrize("kw,flag", [({"temperature": -1.0}, "--temperature must be >= 0"),
+                                     ({"temperature": float("nan")}, "--temperature must be >= 0"),
+                                     ({"no_repeat_ngram": 1}, "--no-repeat-ngram must be 0 \\(off\\) or >= 2"),
+                                     ({"top_p": 0.0}, "--top-p must be in")])
+def test_settings_that_cannot_be_used_are_refused(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        write(LoopModel(), b"\n", 5, **kw)
+
+
+def test_write_command_refuses_a_negative_temperature(run_dir):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "write", str(run_dir), "--temperature", "-1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("error: --temperature must be >= 0 (0 writes greedily: the likeliest "
+                                                 "byte each time), got -1.0")
 
 
 def test_prompts_are_cut_from_the_left_and_empty_starts_from_newline():

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..prog import ListHelpFormatter
 from ..memory import peak_resident_bytes
 
 TARGETS = {"prepare_peak_mb": 300, "prepare_mb_per_s": 100, "rss_over_default_mb": 150, "char_per_s_loss": 0.05,
@@ -28,13 +29,15 @@ TARGETS = {"prepare_peak_mb": 300, "prepare_mb_per_s": 100, "rss_over_default_mb
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minagi.bench data", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minagi.bench data", description=__doc__.split("\n\n")[0],
+                                formatter_class=ListHelpFormatter)
     p.add_argument("--gb", type=float, default=2.0, help="size of the synthetic corpus (default 2)")
     p.add_argument("--data", default=None, help="a corpus of your own instead of the synthetic one")
     p.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     p.add_argument("--out", default=None, help="folder for the corpus, the runs and bench_data.json "
                                                "(default: a temporary folder, removed at the end)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a profile value (repeatable)")
     p.add_argument("--child", choices=("prepare", "train"), help=argparse.SUPPRESS)
     p.add_argument("--args", nargs="*", default=[], help=argparse.SUPPRESS)
     return p

@@ -24,17 +24,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..prog import ListHelpFormatter
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minagi.bench ddp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default="cpu-tiny")
+    p = argparse.ArgumentParser(prog="python -m minagi.bench ddp", description=__doc__.split("\n\n")[0],
+                                formatter_class=ListHelpFormatter)
+    p.add_argument("--profile", default="cpu-tiny", help="a packaged profile or a .toml path")
     p.add_argument("--ranks", type=int, default=2, help="processes of the torchrun runs (default 2)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
     p.add_argument("--rounds", type=int, default=2, help="pairs of runs, alternated (default 2)")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="E",
                    help="also run torchrun with train.expert_parallel = E (default 1: no)")
     p.add_argument("--out", default=None, help="folder for the runs and bench_ddp.json (default: a temporary one)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a profile value (repeatable)")
     return p
 
 

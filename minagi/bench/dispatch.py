@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .. import _backend, ops
 from ..dispatch import expert_mlp
+from ..prog import ListHelpFormatter
 from ..reference import ACTIVATIONS, GATED, activate, slot_ranks
 from . import print_targets
 from .routings import random_gates, sink_routing, uniform_routing
@@ -226,19 +227,21 @@ def check_targets(results, device_type: str = "cpu") -> list[tuple[str, float, s
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minagi.bench dispatch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=ListHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--reps", type=int, default=5, help="timed rounds per method (median kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the machine's)")
-    p.add_argument("--methods", default=None, help="comma-separated subset of rows to time")
+    p.add_argument("--methods", default=None, help="comma-separated subset of rows to time (default: all)")
     p.add_argument("--activation", default="gelu", choices=ACTIVATIONS, help="the experts' form (default gelu)")
     p.add_argument("--layout", default="in_out", choices=["in_out", "out_in", "both"],
                    help="weights stored [S, in, out] (in_out), as .mT views of [S, out, in] (out_in), or both")
-    for name, default in (("N", 2081), ("S", 128), ("K", 8), ("D", 256), ("H", 512), ("sink-chars", 1960)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    for name, default, what in (("N", 2081, "characters"), ("S", 128, "card slots (experts)"), ("K", 8, "top_k"),
+                                ("D", 256, "model width"), ("H", 512, "expert hidden width"),
+                                ("sink-chars", 1960, "characters choosing the sink slot in the sink routing")):
+        p.add_argument(f"--{name}", type=int, default=default, help=what)
     a = p.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype or ("float32" if device == "cpu" else "bfloat16"))

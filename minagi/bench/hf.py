@@ -61,6 +61,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _backend, allocator
+from ..prog import ListHelpFormatter
 from . import print_targets
 
 # name: (config class, experts class module, experts class, config fields). Real models' ratios,
@@ -523,11 +524,11 @@ def _print_row(r):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minagi.bench hf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=ListHelpFormatter)
     p.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated subset of {', '.join(BLOCKS)}")
     p.add_argument("--tokens", default="512,2048", help="training sizes (forward and forward+backward)")
     p.add_argument("--decode", default="1,4", help="decode sizes (forward, no gradient)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to time")
     p.add_argument("--backends", default=",".join((*BUILTIN, "minagi", FLOOR)),
                    help=f"comma-separated; {FLOOR} is no backend: each expert's GEMMs at an even load, nothing else")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (median kept)")
@@ -540,8 +541,8 @@ def main(argv=None) -> int:
                    help="eager (default cache) and/or compiled (static cache, the forward compiled whole)")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per generate() (--quick: 8)")
     p.add_argument("--quick", action="store_true", help="widths / 8 and small sizes: a smoke run")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--accuracy", action="store_true",
                    help="instead: minagi against eager on the tiny whole models of tests/test_hf.py")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")

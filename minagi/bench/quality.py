@@ -43,6 +43,7 @@ from ..config import Config, ModelConfig, load
 from ..data import Batches, load_corpus
 from ..evaluate import bits_per_byte
 from ..model import NO_BYTE, VOCAB, ByteModel, ngram_codes
+from ..prog import ListHelpFormatter
 from ..reference import GATED
 from ..run import build
 from .slices import Budget, Run, heldout_sample, interleave, score
@@ -324,7 +325,7 @@ def _report(results, specs, reference, budget, profile, n_bytes, seeds, log) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minagi.bench quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=ListHelpFormatter)
     p.add_argument("--seconds", type=float, default=300.0, help="training wall-clock per model (default 300)")
     p.add_argument("--steps", type=int, default=0,
                    help="train each model for this many optimizer steps instead of --seconds (equal steps)")
@@ -341,11 +342,11 @@ def main(argv=None) -> int:
                         "(repeatable)")
     p.add_argument("--data", default="", metavar="PATH",
                    help="a text file, folder or prepared corpus (default: the Python standard library's source)")
-    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument("--profile", default="cpu-tiny", help="the profile of the minagi models")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="profile overrides")
     p.add_argument("--eval-bytes", type=int, default=262144,
                    help="held-out bytes scored, in 4 KiB chunks spread evenly over the whole held-out split")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = every core)")
     p.add_argument("--json", metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
     variants = dict(parse_variant(v) for v in a.variant)

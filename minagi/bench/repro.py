@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..prog import ListHelpFormatter
+
 ROOT = Path(__file__).resolve().parents[2]
 LOADS = ("quiet", "busy", "train", "build")
 MOMENTS = ("time", "start", "eval", "checkpoint")
@@ -37,8 +39,9 @@ MACHINE_FIELDS = {"char_per_s", "time_s"}
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minagi.bench repro", description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default="cpu-tiny")
+    p = argparse.ArgumentParser(prog="python -m minagi.bench repro", description=__doc__.split("\n\n")[0],
+                                formatter_class=ListHelpFormatter)
+    p.add_argument("--profile", default="cpu-tiny", help="a packaged profile or a .toml path")
     p.add_argument("--steps", type=int, default=300, help="steps of every run (default 300)")
     p.add_argument("--every", type=int, default=30, help="train.eval_every (default 30); checkpoints every 3x")
     p.add_argument("--signals", type=int, default=20, help="runs stopped by a signal and resumed (default 20)")
@@ -47,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the signals' moments")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a profile value (repeatable)")
     return p
 
 

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..prog import ListHelpFormatter
 from ..memory import peak_resident_bytes, resident_bytes
 
 SAMPLES = "soak_samples.jsonl"
@@ -31,14 +32,16 @@ TARGETS = {"peak_rss_mb": 1000.0, "slope_mb_per_kstep": 5.0, "drift": 0.05}  # t
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minagi.bench soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default="cpu-tiny")
+    p = argparse.ArgumentParser(prog="python -m minagi.bench soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=ListHelpFormatter)
+    p.add_argument("--profile", default="cpu-tiny", help="a packaged profile or a .toml path")
     p.add_argument("--minutes", type=float, default=20.0, help="how long to train (default 20)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--out", default="runs/soak", help="folder for the run, soak.json and soak.png")
     p.add_argument("--every", type=int, default=20, help="steps between samples (default 20)")
     p.add_argument("--data", default=None, help="corpus (default: the profile's)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a profile value (repeatable)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the training process
     return p
 

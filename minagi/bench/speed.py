@@ -14,6 +14,7 @@ import torch
 
 from ..config import load
 from ..pool import PooledMLP
+from ..prog import ListHelpFormatter
 from ..run import build
 from ..writer import load_model, write
 from .routings import sink_routing
@@ -61,11 +62,13 @@ def _report(what, chars, times, target):
 
 
 def main_train(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minagi.bench train", description=__doc__)
-    p.add_argument("--profile", default="cpu-tiny")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p = argparse.ArgumentParser(prog="python -m minagi.bench train", description=__doc__,
+                                formatter_class=ListHelpFormatter)
+    p.add_argument("--profile", default="cpu-tiny", help="a packaged profile or a .toml path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a profile value (repeatable)")
     p.add_argument("--steps", type=int, default=3, help="training steps per timed sample")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timed samples per mode (median kept)")
     a = p.parse_args(argv)
     cfg = load(a.profile, a.overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,10 +95,11 @@ def main_train(argv=None) -> int:
 
 
 def main_write(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minagi.bench write", description=__doc__)
-    p.add_argument("run", metavar="DIR")
-    p.add_argument("--chars", type=int, default=200)
-    p.add_argument("--reps", type=int, default=3)
+    p = argparse.ArgumentParser(prog="python -m minagi.bench write", description=__doc__,
+                                formatter_class=ListHelpFormatter)
+    p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
+    p.add_argument("--chars", type=int, default=200, help="characters written per timed sample")
+    p.add_argument("--reps", type=int, default=3, help="timed samples per mode (median kept)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (decoding on the GPU: the in-place decode kernel)")
     a = p.parse_args(argv)
     model, cfg = load_model(a.run, a.device)

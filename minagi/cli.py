@@ -22,7 +22,7 @@ from .data import DataError
 from .distributed import DistributedError, launched, rank
 from .guard import Diverged, Interrupted, release_early_signals
 from .plot import PlotError
-from .prog import PROG, HelpFormatter, ListHelpFormatter
+from .prog import PROG, HelpFormatter, ListHelpFormatter, bench_list
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError, DistributedError)
 
@@ -46,9 +46,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 def command_list(prog: str, more: dict[str, str] | None = None) -> str:
     """The subcommands and the benchmarks, a line each, for train.py's and the minagi command's
-    --help: from COMMANDS (each function's docstring), `more` (name: line), and minagi.bench's table."""
-    from .bench.__main__ import bench_list
-
+    --help: from COMMANDS (each function's docstring), `more` (name: line), and prog.BENCHES."""
     bench = "python -m minagi.bench" if prog == "python train.py" else f"{prog} bench"
     lines = [f"commands ({prog} COMMAND --help: its options):"]
     lines += [f"  {name:<9} {fn.__doc__.splitlines()[0]}" for name, fn in {"train": run_train, **COMMANDS}.items()]
@@ -129,9 +127,10 @@ def run_eval(argv) -> int:
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} eval", description="Bits per byte of a checkpoint on your text (the last line of the output).",
                                 formatter_class=HelpFormatter)
     p.add_argument("run", metavar="DIR", help="run folder (or checkpoint file)")
-    python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
-    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
-    python train.py eval DIR [--data PATH] [--data-binary]
+    p.add_argument("--data", default=None, help="a text file or a folder of them: every byte is scored "
+                   "(default: the run's own held-out split)")
+    p.add_argument("--data-binary", action="store_true", help="score files that are not text too")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     a = p.parse_args(argv)
     from .evaluate import bits_per_byte, scored_bytes
     from .writer import load_model
@@ -155,9 +154,8 @@ def run_prepare(argv) -> int:
     p.add_argument("out", metavar="OUT", help="an empty (or new) folder")
     p.add_argument("--heldout-every", type=int, default=20, help="hold out every Nth file (default 20, as data.heldout_every)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
-    python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
-    python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
-    python train.py eval DIR [--data PATH] [--data-binary]
+    p.add_argument("--data-binary", action="store_true", help="read files that are not text too")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     a = p.parse_args(argv)
     from .data import prepare
 

@@ -22,7 +22,7 @@ from .data import DataError
 from .distributed import DistributedError, launched, rank
 from .guard import Diverged, Interrupted, release_early_signals
 from .plot import PlotError
-from .prog import PROG, HelpFormatter, ListHelpFormatter
+from .prog import PROG, HelpFormatter, ListHelpFormatter, bench_list
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, AllocatorError, DistributedError)
 
@@ -44,9 +44,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 def command_list(prog: str, more: dict[str, str] | None = None) -> str:
     """The subcommands and the benchmarks, a line each, for train.py's and the minagi command's
-    --help: from COMMANDS (each function's docstring), `more` (name: line), and minagi.bench's table."""
-    from .bench.__main__ import bench_list
-
+    --help: from COMMANDS (each function's docstring), `more` (name: line), and prog.BENCHES."""
     bench = "python -m minagi.bench" if prog == "python train.py" else f"{prog} bench"
     lines = [f"commands ({prog} COMMAND --help: its options):"]
     lines += [f"  {name:<9} {fn.__doc__.splitlines()[0]}" for name, fn in {"train": run_train, **COMMANDS}.items()]

@@ -7,6 +7,26 @@ import argparse
 
 PROG = {"train": "python train.py", "sub": "python train.py"}
 
+# Every benchmark (python -m minagi.bench NAME): its module in minagi.bench, the function there,
+# and what it measures in one line. The bench runner, its --help and the commands' --help
+# (minagi.cli.command_list) all read this table.
+BENCHES = {
+    "dispatch": ("dispatch", "main", "forward+backward time of expert_mlp per dispatch path, uniform and sink routings"),
+    "quality": ("quality", "main", "does the pool pay? the profile against dense models at equal wall-clock"),
+    "train": ("speed", "main_train", "training char/s, grouped against rectangle dispatch"),
+    "write": ("speed", "main_write", "writing char/s of a checkpoint, grouped against rectangle dispatch"),
+    "soak": ("soak", "main", "a long training run watched for memory growth and slowdown"),
+    "data": ("data", "main", "training on a prepared corpus of any size: resident memory"),
+    "ddp": ("ddp", "main", "data (and expert) parallelism on one machine"),
+    "repro": ("repro", "main", "bit-reproducible training beside other work, exact resume after a signal"),
+    "hf": ("hf", "main", "transformers' experts backends against minagi's"),
+}
+
+
+def bench_list(how: str = "NAME --help: its options") -> str:
+    """The benchmarks, a line each."""
+    return f"benchmarks ({how}):\n" + "\n".join(f"  {name:<9} {line}" for name, (_, _, line) in BENCHES.items())
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help with each option's default: appended as "(default: X)" unless the help line already

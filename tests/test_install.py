@@ -78,11 +78,12 @@ def _parser_of(monkeypatch, command, argv=()):
 
 def _commands():
     from minagi import cli
-    from minagi.bench.__main__ import BENCHES
+    from minagi.bench.__main__ import entry
+    from minagi.prog import BENCHES
 
     found = {"train": lambda argv: cli.train_parser().parse_args(argv)}
     found.update(cli.COMMANDS)
-    found.update({f"bench {name}": fn for name, (fn, _) in BENCHES.items()})
+    found.update({f"bench {name}": entry(name) for name in BENCHES})
     return found
 
 
@@ -102,7 +103,7 @@ def test_every_option_has_a_help_line_and_its_default(monkeypatch, name):
 def test_the_top_level_help_names_every_command_and_bench():
     from minagi import cli
     from minagi.__main__ import commands, usage
-    from minagi.bench.__main__ import BENCHES
+    from minagi.prog import BENCHES
 
     for text in (cli.train_parser().format_help(), usage("minagi")):
         for name in [*cli.COMMANDS, *BENCHES]:

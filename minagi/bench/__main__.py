@@ -2,29 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from .. import allocator
-from ..prog import ListHelpFormatter
-from . import data, ddp, dispatch, hf, quality, repro, soak, speed
-
-# Every benchmark: its entry and what it measures, in one line. The bench runner, its --help and
-# the minagi command's help (minagi.cli.command_list) all read this table.
-BENCHES = {
-    "dispatch": (dispatch.main, "forward+backward time of expert_mlp per dispatch path, uniform and sink routings"),
-    "quality": (quality.main, "does the pool pay? the profile against dense models at equal wall-clock"),
-    "train": (speed.main_train, "training char/s, grouped against rectangle dispatch"),
-    "write": (speed.main_write, "writing char/s of a checkpoint, grouped against rectangle dispatch"),
-    "soak": (soak.main, "a long training run watched for memory growth and slowdown"),
-    "data": (data.main, "training on a prepared corpus of any size: resident memory"),
-    "ddp": (ddp.main, "data (and expert) parallelism on one machine"),
-    "repro": (repro.main, "bit-reproducible training beside other work, exact resume after a signal"),
-    "hf": (hf.main, "transformers' experts backends against minagi's"),
-}
+from ..prog import BENCHES, ListHelpFormatter, bench_list
 
 
-def bench_list(how: str = "NAME --help: its options") -> str:
-    return f"benchmarks ({how}):\n" + "\n".join(f"  {name:<9} {summary}" for name, (_, summary) in BENCHES.items())
+def entry(name: str):
+    """The function that runs benchmark `name` (its module imported only now)."""
+    module, function, _ = BENCHES[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
 def main(argv=None, command_line: bool | None = None) -> int:
@@ -42,7 +30,7 @@ def main(argv=None, command_line: bool | None = None) -> int:
         except allocator.AllocatorError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    return BENCHES[argv[0]][0](argv[1:])
+    return entry(argv[0])(argv[1:])
 
 
 if __name__ == "__main__":

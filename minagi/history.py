@@ -67,7 +67,10 @@ class Window:
     def _sum(self, key: str, value) -> None:
         value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
         held = self._dev.get(key)
-        self._dev[key] = value if held is None else held + value.to(held.device, held.dtype)
+        if value.is_floating_point():  # kept per step, added on the host in step order by settle():
+            self._dev[key] = [*(held or []), value]  # a resumed run's sums then equal an unbroken run's
+        else:
+            self._dev[key] = value if held is None else held + value.to(held.device, held.dtype)
 
     def _max(self, key: str, value) -> None:
         value = torch.as_tensor(value, dtype=torch.float64)
@@ -97,6 +100,12 @@ class Window:
         """Reads the device sums into the fields (one copy each): at log time, never per step."""
         dev, self._dev = self._dev, {}
         for key, value in dev.items():
+            if isinstance(value, list):  # floats, one a step
+                total = getattr(self, key)
+                for v in torch.stack(value).tolist():
+                    total += v
+                setattr(self, key, total)
+                continue
             value = value.tolist()
             if key == "max_load_ratio":
                 self.max_load_ratio = max(self.max_load_ratio, value)

@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LOADS = ("quiet", "busy", "train", "build")
 MOMENTS = ("time", "start", "eval", "checkpoint")
 # History fields that measure the machine rather than the training.
-MACHINE_FIELDS = {"char_per_s", "time_s"}
+# How a run went, not what it computed: its pace, and whether a record's step was checkpointed
+# (a run stopped at a held-out evaluation checkpoints there; an uninterrupted one may not).
+MACHINE_FIELDS = {"char_per_s", "time_s", "checkpoint"}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ progress.py (what it prints), guard.py (divergence, finiteness, signals), checkp
 from __future__ import annotations
 
 import functools
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,9 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
     with GracefulStop() as signals:
         run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
-            bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
+            t = run.cfg.train
+            bar = Progress(t.steps, run.step, progress and run.dist.main, lambda step: evaluations_left(t, step),
+                           (run.step, run.last_bpc) if resume else None)
             # What a resume changed or ignores, and what the corpus's folder skipped: even with --quiet.
             for note in (*notes, world_note(run), corpus.skipped.note(corpus.source)):
                 if note and run.dist.main:
@@ -83,8 +86,10 @@ def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: 
         stop = _stop_asked(run, signals, callbacks, info)
         last = run.step == t.steps or stop
         if evaluates(t, run.step, last):
+            t_eval = time.perf_counter()
             _evaluate(run, heldout, bar)
             record, window = _record(run, window, t_start, checkpoints(t, run.step, last))
+            bar.pace.evaluated(time.perf_counter() - t_eval)
             sinks.check(record)
         if stop:
             break
@@ -98,6 +103,16 @@ def evaluates(t: TrainConfig, step: int, last: bool) -> bool:
     """Whether the held-out chunks are scored after this step: every eval_every steps, and
     before every checkpoint."""
     return step % t.eval_every == 0 or checkpoints(t, step, last)
+
+
+def evaluations_left(t: TrainConfig, step: int) -> int:
+    """How many of the steps after `step` evaluate (for the time left): the multiples of
+    eval_every and of checkpoint_every, and the last step (a run not stopped early)."""
+    def after(every: int) -> int:
+        return t.steps // every - step // every
+
+    last = step < t.steps and t.steps % t.eval_every != 0 and t.steps % t.checkpoint_every != 0
+    return after(t.eval_every) + after(t.checkpoint_every) - after(math.lcm(t.eval_every, t.checkpoint_every)) + last
 
 
 def checkpoints(t: TrainConfig, step: int, last: bool) -> bool:
@@ -116,7 +131,7 @@ def _step(run: Run, window: Window, guard: DivergenceGuard, trim, bar: Progress)
     window.add(outs, loss, ce, chars, seconds, run.cfg.model.max_rows, skipped)
     guard.check(run.step, run.last_good())
     info = StepInfo(run.step, loss, chars, seconds, run.out_dir, skipped, [o.rows_used.detach() for o in outs])
-    bar.update(run.step, loss, window.chars / window.train_s, lambda: info.rows_mean)
+    bar.update(run.step, loss, window.chars / window.train_s, lambda: info.rows_mean, seconds)
     return info
 
 
@@ -147,7 +162,7 @@ def _evaluate(run: Run, heldout, bar: Progress) -> None:
     eval_x, eval_y = heldout
     run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, run.cfg.train.batch, run.cfg, run.device,
                                run.dist if run.ep is None else distributed.SINGLE)
-    bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits per byte")
+    bar.heldout(run.step, run.last_bpc)
 
 
 def _record(run: Run, window: Window, t_start: float, save: bool):

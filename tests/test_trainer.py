@@ -231,3 +231,64 @@ def test_compiled_training_follows_eager(tmp_path, text_file):
     assert abs(compiled["heldout_bpc"] - eager["heldout_bpc"]) < 1e-3 * eager["heldout_bpc"]
     assert _history(tmp_path / "compiled")[-1]["train_loss"] == pytest.approx(
         _history(tmp_path / "eager")[-1]["train_loss"], rel=1e-3)
+
+
+# --- What a run says while it runs: the time left, the held-out trend ------------------------
+
+def test_the_time_left_comes_from_the_recent_steps():
+    from minagi.progress import Pace, duration
+
+    assert [duration(s) for s in (0, 42.4, 185, 3725)] == ["0s", "42s", "3m05s", "1h02m"]
+    pace = Pace(window=10)
+    assert pace.left(100) is None  # no step seen yet
+    for _ in range(50):
+        pace.step(1.0)  # the run's first 50 steps: 1 s each
+    assert pace.left(100) == pytest.approx(100.0)
+    for _ in range(10):
+        pace.step(0.25)  # then 4x faster (other work gone, rows that halt sooner): the window's pace
+    assert pace.left(100) == pytest.approx(25.0)
+    pace.evaluated(3.0)  # an evaluation (and its checkpoint) took 3 s: each one left counts it
+    assert pace.left(100, evals_left=4) == pytest.approx(25.0 + 12.0)
+
+
+def test_evaluations_left_counts_the_steps_that_evaluate():
+    from minagi.config import TrainConfig
+    from minagi.trainer import evaluates, evaluations_left
+
+    for steps, every, ckpt in [(1500, 250, 500), (30, 10, 10), (31, 10, 4), (7, 3, 5), (12, 12, 5), (5, 100, 200)]:
+        t = TrainConfig(steps=steps, eval_every=every, checkpoint_every=ckpt)
+        for step in range(steps + 1):
+            want = sum(evaluates(t, s, s == steps) for s in range(step + 1, steps + 1))
+            assert evaluations_left(t, step) == want, (steps, every, ckpt, step)
+
+
+def test_the_heldout_line_shows_its_trend(capsys):
+    from minagi.progress import Progress, trend
+
+    assert trend(250, 2.39, None) == "step 250: held-out 2.390 bits per byte"
+    assert trend(500, 2.31, (250, 2.39)) == "step 500: held-out 2.310 bits per byte (-0.080 since step 250)"
+    assert trend(90, 2.0, (60, float("nan"))) == "step 90: held-out 2.000 bits per byte"  # a resume without a score
+    bar = Progress(1000, 0)  # stderr is captured: plain lines
+    bar.heldout(250, 2.39)
+    bar.heldout(500, 2.40)
+    assert capsys.readouterr().err.splitlines() == [
+        "step 250: held-out 2.390 bits per byte", "step 500: held-out 2.400 bits per byte (+0.010 since step 250)"]
+    resumed = Progress(1000, 500, last_heldout=(500, 2.40))
+    resumed.heldout(750, 2.2)
+    assert capsys.readouterr().err.strip().endswith("(-0.200 since step 500)")
+
+
+def test_progress_lines_show_the_time_left(capsys):
+    from minagi.progress import Progress
+
+    bar = Progress(40, 0, evals_left=lambda step: (40 - step) // 10)  # a line every 2 steps
+    for step in range(1, 7):
+        bar.update(step, 2.0, 1000.0, 1.5, seconds=0.5)
+    bar.pace.evaluated(2.0)
+    bar.update(7, 2.0, 1000.0, 1.5, seconds=0.5)
+    bar.update(8, 2.0, 1000.0, 1.5, seconds=0.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "step 2/40  loss 2.000  1,000 char/s  rows 1.50"  # too few steps for a pace
+    assert lines[1] == "step 4/40  loss 2.000  1,000 char/s  rows 1.50  18s left"  # 36 steps x 0.5 s
+    assert lines[-1] == "step 8/40  loss 2.000  1,000 char/s  rows 1.50  22s left"  # 16 s + 3 evaluations x 2 s
+

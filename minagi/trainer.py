@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import allocator, checkpoint, distributed, history
+from . import allocator, checkpoint, cores, distributed, history
 from .config import Config, TrainConfig
 from .guard import ADVICE, Diverged, DivergenceGuard, GracefulStop, Interrupted, nonfinite, state_tensors
 from .history import Window
@@ -59,6 +59,7 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
     # From here a signal means "stop after the current step", during the start too: it then
     # stops after the first step, with that step's checkpoint.
     with GracefulStop() as signals:
+        machine = cores.read()  # the start-up's share of the machine: the threads for its free cores
         run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
             t = run.cfg.train
@@ -68,21 +69,26 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
             for note in (*notes, world_note(run), corpus.skipped.note(corpus.source)):
                 if note and run.dist.main:
                     bar.write(note, always=True)
+            watch = cores.start(machine, run.device.type, run.dist.active, t.threads,
+                                lambda line: bar.write(line, always=True))
             bar.write(describe(run, corpus, resume))
-            return _loop(run, window, heldout, bar, callbacks, signals)
+            return _loop(run, window, heldout, bar, callbacks, signals, watch)
         finally:
             distributed.stop(run.dist)
 
 
-def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: GracefulStop) -> dict:
-    """Steps until the run's length or a stop; each step trained, counted and shown, then (when
-    due) scored on the held-out chunks, recorded in the history, and checkpointed."""
+def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: GracefulStop, watch=None) -> dict:
+    """Steps until the run's length or a stop; each step trained, counted and shown (and given to
+    the watch of the machine's cores, where there is one), then (when due) scored on the held-out
+    chunks, recorded in the history, and checkpointed."""
     t = run.cfg.train
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, run.out_dir), time.perf_counter(), None
     trim = allocator.HeapTrim(t.malloc_trim_every if run.device.type == "cpu" else 0)
     run.model.train()
     while run.step < t.steps:
         info = _step(run, window, guard, trim, bar)
+        if watch is not None:
+            watch.step(info.chars, info.step_s)
         stop = _stop_asked(run, signals, callbacks, info)
         last = run.step == t.steps or stop
         if evaluates(t, run.step, last):

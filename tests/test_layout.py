@@ -23,7 +23,7 @@ LAYERS = [
     ("command line", {"minagi.cli"}),
     ("commands and training", {"minagi.trainer", "minagi.step", "minagi.progress", "minagi.run", "minagi.history",
                                "minagi.writer", "minagi.routes", "minagi.evaluate", "minagi.plot", "minagi.checkpoint",
-                               "minagi.allocator"}),
+                               "minagi.allocator", "minagi.cores"}),
     ("model", {"minagi.model", "minagi.optim"}),
     ("library front ends", {"minagi", "minagi.hf"}),
     ("pool", {"minagi.pool", "minagi.expert_parallel"}),

@@ -292,3 +292,81 @@ def test_progress_lines_show_the_time_left(capsys):
     assert lines[1] == "step 4/40  loss 2.000  1,000 char/s  rows 1.50  18s left"  # 36 steps x 0.5 s
     assert lines[-1] == "step 8/40  loss 2.000  1,000 char/s  rows 1.50  22s left"  # 16 s + 3 evaluations x 2 s
 
+
+# --- A shared machine: threads that follow the free cores (minagi/cores.py) -----------------
+
+def test_other_work_is_read_from_the_cpus_busy_time_less_this_process():
+    from minagi import cores
+
+    stat = ("cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 100 0 50 400 10 0 5 5 0 0\ncpu1 200 10 20 300 0 1 1 0 7 0\n"
+            "cpu2 1000 0 0 0 0 0 0 0 0 0\nintr 1 2 3\n")
+    assert cores.parse_stat(stat, {0, 1}, 0.01) == pytest.approx((160 + 232) * 0.01)  # idle, iowait, cpu2 not counted
+    a, b = cores.Reading(10.0, 100.0, 5.0), cores.Reading(15.0, 109.0, 9.0)
+    assert cores.others(a, b) == pytest.approx(1.0)  # 9 busy CPU-seconds in 5 s, 4 of them this process's
+    assert cores.others(a, cores.Reading(15.0, 102.0, 9.0)) == 0.0  # ticks rounded: never below nothing
+    assert [cores.taken(x) for x in (0.0, 0.5, 0.6, 0.8, 1.55, 1.6, 2.2)] == [0, 0, 1, 1, 1, 2, 2]
+
+
+def test_auto_threads_follow_the_free_cores_and_say_so_once():
+    from minagi.cores import Policy
+
+    p = Policy(cores=2, threads=2, pinned=False)
+    assert p.interval(0.1, 14_000) == (None, None)  # quiet: the pace to compare with
+    threads, line = p.interval(0.7, 3_400)  # a busy process beside it: the run collapsed
+    assert threads == 1 and line == (
+        "minagi: other work is using 0.7 of this machine's 2 cores, training at 3,400 char/s, down from 14,000: "
+        "now 1 thread (train.threads = 0 follows the free cores; a pinned train.threads keeps its threads and its "
+        "bits)")
+    assert p.interval(1.0, 9_000) == (None, None)  # one thread beside it: nothing to change
+    assert p.interval(0.0, 9_000) == (None, None)  # the core came free: once is not yet enough
+    assert p.interval(0.0, 9_000) == (2, None)  # twice: taken back, silently
+    assert p.interval(1.8, 2_000) == (1, None)  # two busy processes: one thread again, nothing said again
+    assert p.interval(0.1, 9_000) == (None, None) and p.interval(1.0, 9_000) == (None, None)  # a calm interval alone
+    threads, line = Policy(cores=8, threads=8, pinned=False).interval(2.7, None)  # at the start-up: no pace yet
+    assert threads == 5 and line.startswith("minagi: other work is using 2.7 of this machine's 8 cores: now 5 threads")
+
+
+def test_a_pinned_run_keeps_its_threads_and_only_says_it_slowed():
+    from minagi.cores import Policy
+
+    p = Policy(cores=2, threads=2, pinned=True)
+    assert p.interval(0.0, 14_000) == (None, None)
+    assert p.interval(0.8, 13_000) == (None, None)  # other work, but no slowdown worth a word
+    threads, line = p.interval(0.8, 3_000)
+    assert threads is None and line == (
+        "minagi: other work is using 0.8 of this machine's 2 cores, training at 3,000 char/s, down from 14,000: "
+        "train.threads = 2 is pinned, so it stays (its runs are bit-reproducible); train.threads = 0 would follow "
+        "the free cores")
+    assert all(p.interval(x, 2_000) == (None, None) for x in (1.5, 0.0, 0.0, 0.9))  # never changed, said once
+    one = Policy(cores=2, threads=1, pinned=True)
+    assert one.interval(1.0, None) == (None, None)  # one pinned thread beside one busy process: no crowding
+
+
+def test_the_watch_looks_at_the_machine_and_sets_the_threads():
+    from minagi import cores
+
+    clock, readings, set_to, said = [0.0], [], [], []
+    watch = cores.Watch(cores.Policy(2, 2, pinned=False), said.append, cores.Reading(0.0, 0.0, 0.0),
+                        reader=lambda: readings.pop(0), clock=lambda: clock[0], set_threads=set_to.append)
+    clock[0] = 0.5
+    watch.step(1024, 0.1)  # before FIRST_S: no look
+    assert (set_to, said) == ([], [])
+    clock[0] = cores.FIRST_S
+    readings.append(cores.Reading(cores.FIRST_S, 1.6, 1.0))  # others took 0.6 of a core
+    watch.step(1024, 0.1)
+    assert set_to == [1] and len(said) == 1 and "training at" not in said[0]  # no quiet pace seen yet
+    clock[0] = cores.FIRST_S + cores.INTERVAL_S - 0.1
+    watch.step(1024, 0.1)  # the next look waits INTERVAL_S
+    assert set_to == [1] and readings == []
+
+
+def test_the_watch_is_off_off_the_cpu_under_torchrun_and_when_asked(monkeypatch):
+    from minagi import cores
+
+    first = cores.Reading(0.0, 0.0, 0.0)
+    monkeypatch.setenv("MINAGI_WATCH_CORES", "1")
+    assert cores.start(None, "cpu", False, 0, print) is None  # no /proc/stat
+    assert cores.start(first, "cuda", False, 0, print) is None
+    assert cores.start(first, "cpu", True, 0, print) is None  # the other ranks are this run's own work
+    monkeypatch.setenv("MINAGI_WATCH_CORES", "0")
+    assert cores.start(first, "cpu", False, 0, print) is None

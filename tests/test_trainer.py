@@ -370,3 +370,16 @@ def test_the_watch_is_off_off_the_cpu_under_torchrun_and_when_asked(monkeypatch)
     assert cores.start(first, "cpu", True, 0, print) is None  # the other ranks are this run's own work
     monkeypatch.setenv("MINAGI_WATCH_CORES", "0")
     assert cores.start(first, "cpu", False, 0, print) is None
+
+
+@pytest.mark.slow
+def test_the_shared_bench_runs_each_kind_in_each_condition():
+    # python -m minagi.bench shared: only that it runs and reports (its figures are docs/benchmarks.md's).
+    from conftest import run_bench
+
+    r = run_bench("shared", "--steps", 4, "--skip", 1, "--conditions", "quiet,busy1", "--runs", "new,one")
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("\ncondition")[1].splitlines()
+    assert table[0].split() == ["new", "char/s", "one", "char/s", "new/one"]
+    assert [line.split()[0] for line in table[1:]] == ["quiet", "busy1"]
+    assert r.stdout.count(" thread(s) at the end") == 4

@@ -2,12 +2,14 @@
 
 Each condition (--conditions): "quiet" (nothing beside the run), "busy1" and "busy2" (one or two
 busy processes, each a Python loop spinning on one core, started before the run and stopped
-after it). In each, every kind of run (--runs), each a fresh process training the profile for
---steps steps (char/s over the steps after the first --skip; training steps only, the held-out
-scoring is not in it):
-  new   train.threads = 0 as it is now: the threads follow the free cores (minagi/cores.py)
-  old   train.threads = 0 as it was: every core, whatever else runs (MINAGI_WATCH_CORES=0)
-  one   train.threads = 1
+after it), "late1" (one busy process started --late seconds into each run: the watch's looks
+during training, not its look at the start-up). In each, every kind of run (--runs), each a
+fresh process training the profile for --steps steps (char/s over the steps after the first
+--skip; training steps only, the held-out scoring is not in it):
+  new      train.threads = 0 as it is now: the threads follow the free cores (minagi/cores.py)
+  old      train.threads = 0 as it was: every core, whatever else runs (MINAGI_WATCH_CORES=0)
+  one      train.threads = 1
+  passive  as old, with OMP_WAIT_POLICY=passive (waiting threads sleep instead of spinning)
 Prints a table of char/s with each run's threads at its end, and the ratios new/one, old/one and
 new/old per condition; the median over --rounds, the kinds interleaved within a round. --json
 writes every run. Measure on an otherwise quiet machine: other work is a load the bench does not
@@ -27,11 +29,12 @@ from pathlib import Path
 
 from ..prog import ListHelpFormatter
 
-CONDITIONS = {"quiet": 0, "busy1": 1, "busy2": 2}
-RUNS = {
-    "new": ("threads follow the free cores", "0", "1"),
-    "old": ("every core (before minagi/cores.py)", "0", "0"),
-    "one": ("1 thread", "1", "1"),
+CONDITIONS = {"quiet": 0, "busy1": 1, "busy2": 2, "late1": 1}
+RUNS = {  # what it is, train.threads, the environment
+    "new": ("threads follow the free cores", "0", {"MINAGI_WATCH_CORES": "1"}),
+    "old": ("every core (before minagi/cores.py)", "0", {"MINAGI_WATCH_CORES": "0"}),
+    "one": ("1 thread", "1", {"MINAGI_WATCH_CORES": "1"}),
+    "passive": ("every core, OMP_WAIT_POLICY=passive", "0", {"MINAGI_WATCH_CORES": "0", "OMP_WAIT_POLICY": "passive"}),
 }
 BUSY = "while True:\n    pass\n"
 NOTICE = "minagi: other work is using"
@@ -46,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--conditions", default="quiet,busy1,busy2", help=f"of {', '.join(CONDITIONS)}")
     p.add_argument("--runs", default="new,old,one", help=f"of {', '.join(RUNS)}")
     p.add_argument("--rounds", type=int, default=1, help="rounds (median)")
+    p.add_argument("--late", type=float, default=8.0, help="seconds into a late1 run when its busy process starts")
     p.add_argument("--json", default=None, help="also write every run here")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a profile value (repeatable)")
@@ -71,12 +75,24 @@ def child(args) -> int:
     return 0
 
 
-def one_run(args, kind: str) -> dict:
-    _, threads, watch = RUNS[kind]
+def one_run(args, kind: str, late: float | None = None) -> dict:
+    """One run of this kind in its own process; late: one busy process started this many seconds
+    after the run (and stopped after it)."""
+    _, threads, env = RUNS[kind]
     cmd = [sys.executable, "-m", "minagi.bench", "shared", "--child", threads, "--profile", args.profile,
            "--steps", str(args.steps), "--skip", str(args.skip), *sum((["--set", kv] for kv in args.overrides), [])]
-    env = dict(os.environ, MINAGI_WATCH_CORES=watch)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+    procs = []
+    try:
+        if late is not None:
+            try:
+                proc.wait(timeout=late)
+            except subprocess.TimeoutExpired:
+                procs = beside(1, settle=0)
+        out, err = proc.communicate()
+    finally:
+        stop(procs)
+    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if r.returncode != 0:
         raise RuntimeError(f"the {kind} run failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
@@ -84,10 +100,10 @@ def one_run(args, kind: str) -> dict:
     return result
 
 
-def beside(n: int):
-    """n busy processes, started now (a moment to get going); stop them with stop()."""
+def beside(n: int, settle: float = 0.5):
+    """n busy processes, started now (settle: seconds to get going); stop them with stop()."""
     procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(n)]
-    time.sleep(0.5 if n else 0)
+    time.sleep(settle if n else 0)
     return procs
 
 
@@ -114,10 +130,11 @@ def main(argv=None) -> int:
     runs = []
     for r in range(args.rounds):
         for cond in conditions:
-            procs = beside(CONDITIONS[cond])
+            late = args.late if cond == "late1" else None
+            procs = beside(CONDITIONS[cond] if late is None else 0)
             try:
                 for kind in kinds:
-                    res = {"round": r, "condition": cond, "run": kind, **one_run(args, kind)}
+                    res = {"round": r, "condition": cond, "run": kind, **one_run(args, kind, late)}
                     runs.append(res)
                     print(f"  round {r} {cond:<6} {kind:<4} {res['char_per_s']:>9,.0f} char/s, {res['threads']} "
                           f"thread(s) at the end" + (f"; said: {res['notice']}" if res["notice"] else ""), flush=True)
@@ -138,11 +155,15 @@ def medians(runs, conditions, kinds) -> dict:
 
 def report(runs, conditions, kinds) -> None:
     med = medians(runs, conditions, kinds)
-    pairs = [(a, b) for a, b in (("new", "one"), ("old", "one"), ("new", "old")) if a in kinds and b in kinds]
-    print(f"\n{'condition':<10}" + "".join(f"{k + ' char/s':>14}" for k in kinds) + "".join(f"{a + '/' + b:>9}" for a, b in pairs))
+    pairs = [(a, b) for a, b in (("new", "one"), ("old", "one"), ("new", "old"), ("passive", "one"))
+             if a in kinds and b in kinds]
+    width = {k: len(k) + 9 for k in kinds}
+    ratio = {(a, b): len(a) + len(b) + 3 for a, b in pairs}
+    print(f"\n{'condition':<10}" + "".join(f"{k + ' char/s':>{width[k]}}" for k in kinds)
+          + "".join(f"{a + '/' + b:>{ratio[(a, b)]}}" for a, b in pairs))
     for c in conditions:
-        print(f"{c:<10}" + "".join(f"{med[(c, k)]:>14,.0f}" for k in kinds)
-              + "".join(f"{med[(c, a)] / med[(c, b)]:>9.2f}" for a, b in pairs))
+        print(f"{c:<10}" + "".join(f"{med[(c, k)]:>{width[k]},.0f}" for k in kinds)
+              + "".join(f"{med[(c, a)] / med[(c, b)]:>{ratio[(a, b)]}.2f}" for a, b in pairs))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Train a minagi byte model, and write from it, score it, plot it:
 
-    python train.py [--profile cpu-tiny] [--data PATH] [--out DIR] [--steps N] [--set k=v]... [--resume]
+    python train.py [--profile cpu-tiny] [--data PATH] [--data-binary] [--out DIR] [--steps N] [--set k=v]... [--resume]
     python train.py write DIR --prompt TEXT --chars N [--temperature T] [--top-p P] [--seed S] [--no-repeat-ngram N]
-    python train.py eval DIR --data PATH
+    python train.py eval DIR [--data PATH] [--data-binary]
     python train.py plot DIR
-    python train.py routes DIR [--data PATH] [--chunks N] [--json]
-    python train.py prepare SRC OUT [--heldout-every N] [--force]
+    python train.py routes DIR [--data PATH] [--data-binary] [--chunks N] [--json]
+    python train.py prepare SRC OUT [--heldout-every N] [--force] [--data-binary]
+
+Every command's --help lists its options with their defaults; python train.py --help lists the
+commands and the benchmarks.
 
 The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
 import os

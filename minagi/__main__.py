@@ -1,4 +1,6 @@
-"""python -m minagi COMMAND (the minagi command): train | write | eval | plot | routes | doctor | bench.
+"""python -m minagi COMMAND (the minagi command): train | write | eval | plot | routes | prepare |
+doctor | bench. `minagi --help` lists every command and benchmark; `minagi COMMAND --help`, its
+options with their defaults (eval DIR [--data PATH]: without --data, the run's held-out split).
 
 doctor: what this install runs on: torch, build flavour, whether minagi._C loaded (and why not),
 which ops have CPU / GPU kernels, threads.

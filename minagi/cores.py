@@ -4,14 +4,15 @@ keeps a run from collapsing when they do.
 A run's OpenMP threads split each kernel's work evenly and wait for one another at its end. When
 another process takes one of the cores, the thread that shares it loses whole time slices
 (milliseconds) while the others wait at the barrier (spinning, by OpenMP's default), so every
-kernel takes as long as its slowest thread: two threads beside one busy process ran at about a
-third of one thread's pace (docs/training.md, "Threads and shared machines"; the figures in
+kernel takes as long as its slowest thread, and two threads beside one busy process train well
+below one thread's pace (docs/training.md, "Threads and shared machines"; the figures in
 docs/benchmarks.md, `minagi bench shared`).
 
 others(): the cores' worth of CPU time that other processes used between two readings of
 /proc/stat (the busy time of the CPUs this process may run on), less this process's own CPU time.
 Policy: what to do after each interval (pure logic, tested with injected figures). Watch: the
-readings and the run's pace, every INTERVAL_S seconds of a CPU run, applied to torch's threads.
+readings and the run's pace, over the start-up and then every INTERVAL_S seconds of a CPU run,
+applied to torch's threads.
 
 With train.threads = 0 (auto) the run follows the free cores: fewer threads at once when other
 work takes a core, more again (after RAISE_AFTER calm intervals) when it leaves. A pinned
@@ -26,7 +27,6 @@ import time
 from dataclasses import dataclass
 
 INTERVAL_S = 5.0  # seconds between two looks at the machine
-FIRST_S = 1.0  # the first look after the start-up: a run beside other work need not wait INTERVAL_S
 START_S = 0.2  # the start-up (corpus, model) is looked at over this long at least
 BUSY = 0.6  # a core counts as taken by other work from this share of it on
 SLOW = 0.8  # a pinned run says it slowed below this share of its last quiet pace
@@ -130,8 +130,8 @@ class Policy:
 
 
 class Watch:
-    """Looks at the machine FIRST_S seconds into training, then every INTERVAL_S seconds (after a
-    step), and applies the policy: torch's threads set, the line said. reader, clock,
+    """Looks at the machine every INTERVAL_S seconds (after a step; start() looks at the start-up
+    first) and applies the policy: torch's threads set, the line said. reader, clock,
     set_threads: injected by tests."""
 
     def __init__(self, policy: Policy, say, first: Reading, reader=read, clock=time.monotonic, set_threads=None):
@@ -139,7 +139,7 @@ class Watch:
 
         self.policy, self.say, self.reader, self.clock = policy, say, reader, clock
         self.set_threads = set_threads or torch.set_num_threads
-        self.last, self.chars, self.seconds, self.every = first, 0, 0.0, FIRST_S
+        self.last, self.chars, self.seconds = first, 0, 0.0
 
     def look(self, now: Reading) -> None:
         cps = self.chars / self.seconds if self.seconds > 0 else None
@@ -148,13 +148,13 @@ class Watch:
             self.set_threads(threads)
         if line:
             self.say(line)
-        self.last, self.chars, self.seconds, self.every = now, 0, 0.0, INTERVAL_S
+        self.last, self.chars, self.seconds = now, 0, 0.0
 
     def step(self, chars: int, seconds: float) -> None:
         """After each training step: its characters and seconds."""
         self.chars += chars
         self.seconds += seconds
-        if self.clock() - self.last.wall >= self.every and (now := self.reader()) is not None:
+        if self.clock() - self.last.wall >= INTERVAL_S and (now := self.reader()) is not None:
             self.look(now)
 
 

@@ -348,16 +348,19 @@ def test_the_watch_looks_at_the_machine_and_sets_the_threads():
     clock, readings, set_to, said = [0.0], [], [], []
     watch = cores.Watch(cores.Policy(2, 2, pinned=False), said.append, cores.Reading(0.0, 0.0, 0.0),
                         reader=lambda: readings.pop(0), clock=lambda: clock[0], set_threads=set_to.append)
-    clock[0] = 0.5
-    watch.step(1024, 0.1)  # before FIRST_S: no look
+    clock[0] = cores.INTERVAL_S - 0.1
+    watch.step(1024, 0.1)  # before INTERVAL_S: no look
     assert (set_to, said) == ([], [])
-    clock[0] = cores.FIRST_S
-    readings.append(cores.Reading(cores.FIRST_S, 1.6, 1.0))  # others took 0.6 of a core
+    clock[0] = cores.INTERVAL_S
+    readings.append(cores.Reading(cores.INTERVAL_S, 3.0, 0.2))  # others took 0.56 of a core: not one
     watch.step(1024, 0.1)
-    assert set_to == [1] and len(said) == 1 and "training at" not in said[0]  # no quiet pace seen yet
-    clock[0] = cores.FIRST_S + cores.INTERVAL_S - 0.1
-    watch.step(1024, 0.1)  # the next look waits INTERVAL_S
-    assert set_to == [1] and readings == []
+    assert (set_to, said) == ([], [])
+    clock[0] = 2 * cores.INTERVAL_S
+    readings.append(cores.Reading(clock[0], 3.0 + 6.5, 0.2 + 3.0))  # others: 3.5 CPU-seconds in 5 s
+    watch.step(1024, 0.5)
+    assert set_to == [1] and len(said) == 1  # the first look's pace (2,048 chars in 0.2 s) was the quiet one
+    assert said[0].startswith("minagi: other work is using 0.7 of this machine's 2 cores, training at 2,048 "
+                              "char/s, down from 10,240: now 1 thread")
 
 
 def test_the_watch_is_off_off_the_cpu_under_torchrun_and_when_asked(monkeypatch):

@@ -13,7 +13,8 @@ def doctor() -> int:
     """what this install runs on: extension, ops, threads, allocator"""
     import torch
 
-    from . import _backend, allocator
+    from .moe import _backend
+    from .lm import allocator
 
     flavour = "rocm" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else "cpu"
     st = _backend.state()
@@ -49,14 +50,14 @@ def doctor() -> int:
 
 
 def commands() -> tuple[str, ...]:
-    from . import cli
+    from .lm import cli
 
     return ("train", *cli.COMMANDS, "doctor", "bench")
 
 
 def usage(prog: str) -> str:
-    """Every command and every benchmark, a line each (from minagi.cli's and minagi.bench's tables)."""
-    from .cli import command_list
+    """Every command and every benchmark, a line each (from minagi.lm.cli's and minagi.bench's tables)."""
+    from .lm.cli import command_list
 
     more = {"doctor": doctor.__doc__, "bench": "a benchmark, from the list below"}
     also = "   (or python -m minagi COMMAND)" if prog == "minagi" else ""
@@ -82,7 +83,7 @@ def main(argv=None, prog: str = "python -m minagi") -> int:
         print(f"{prog}: unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; "
               f"the commands are {', '.join(commands())}", file=sys.stderr)
         return 2
-    from .cli import main as cli_main
+    from .lm.cli import main as cli_main
 
     if cmd == "train":
         return cli_main(rest, prog=prog, train_prog=f"{prog} train")

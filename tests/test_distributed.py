@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import checkpoint, distributed
-from minagi.config import load
-from minagi.data import Batches
-from minagi.reference import GATED
+from minagi.lm import checkpoint, distributed
+from minagi.lm.config import load
+from minagi.lm.data import Batches
+from minagi.moe.reference import GATED
 
 from test_trainer import TINY, _cli, _history
 
@@ -110,7 +110,7 @@ def test_ddp_gradients_against_one_process(tmp_path, case):
 
 @pytest.mark.parametrize("routing", ["uniform", "sink", "empty"])
 def test_expert_parallel_dispatch_equals_one_process(tmp_path, routing):
-    """minagi.expert_parallel: 6 experts, 3 per rank, pairs sent to their expert's rank and back
+    """minagi.moe.expert_parallel: 6 experts, 3 per rank, pairs sent to their expert's rank and back
     (float64): outputs and every gradient equal one process's expert_mlp over both ranks'
     characters; "empty": rank 1's experts get no pair at all."""
     ok(torchrun(f"ep-{routing}", str(tmp_path), script="tests/dist_worker.py"))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minagi import expert_mlp
-from minagi.reference import ACTIVATIONS, GATED, activate
+from minagi.moe.reference import ACTIVATIONS, GATED, activate
 
 from cases import random_routing
 from conftest import EXT, assert_close, requires_ext
@@ -160,7 +160,7 @@ def test_float32_gates_with_bfloat16_x_come_back_in_float32(path):
 
 @requires_ext
 def test_compiled_forms_pass_opcheck_gradcheck_and_gradgradcheck(compiled):
-    from minagi import reference
+    from minagi.moe import reference
 
     g = torch.Generator().manual_seed(5)
     idx = random_routing(7, 3, 2, generator=g)
@@ -350,8 +350,8 @@ def test_swiglu_kernels_across_the_float_range_and_at_the_clamps(dtype, width, a
     # AVX-512 vector (8), vectors and a tail (50; 25: a tail of 9, past half of the interleaved
     # layout's second vector), and in bfloat16 past a 256-output chunk (500). bfloat16 is the
     # float32 arithmetic rounded to nearest even, bit for bit.
-    from minagi import ops
-    from minagi.reference import expert_act_backward
+    from minagi.moe import ops
+    from minagi.moe.reference import expert_act_backward
 
     compiled, alpha, limit = ops.compiled(), 1.702, 7.0
     gate = torch.cat([torch.linspace(-300, 300, 994), torch.tensor([limit, -limit, 0.0, 60.0, -60.0, -100.0])])
@@ -386,8 +386,8 @@ def test_swiglu_kernels_across_the_float_range_and_at_the_clamps(dtype, width, a
 def test_swiglu_kernels_at_infinities_as_the_twin(dtype, act):
     # silu(-inf) is -inf / inf = NaN in the twin (torch's silu); the kernels' clamped exp would give
     # -inf there unless they say otherwise. Gates and ups of +-inf, both passes, both layouts.
-    from minagi import ops
-    from minagi.reference import expert_act_backward
+    from minagi.moe import ops
+    from minagi.moe.reference import expert_act_backward
 
     compiled, inf = ops.compiled(), float("inf")
     gate = torch.tensor([-inf, inf, 1.0, -1.0, 0.0, -inf, inf, 2.0] * 3)

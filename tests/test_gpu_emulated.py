@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import ops
+from minagi.moe import ops
 
 from conftest import EXT
 

@@ -10,15 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from minagi import _backend, config
-from minagi.prog import shows_default
+from minagi.moe import _backend
+
+from minagi.lm import config
+from minagi.lm.prog import shows_default
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBCOMMANDS = ["train", "write", "eval", "plot", "routes", "bench"]
 
 
 def test_profiles_come_from_the_package():
-    packaged = resources.files("minagi").joinpath("profiles")
+    packaged = resources.files("minagi.lm").joinpath("profiles")
     assert set(config.profile_names()) >= {"cpu-tiny", "cpu-small", "strix-small", "strix-large"}
     path = config.profile_path("cpu-tiny")
     assert path.is_file() and path.read_text() == packaged.joinpath("cpu-tiny.toml").read_text()
@@ -77,9 +79,9 @@ def _parser_of(monkeypatch, command, argv=()):
 
 
 def _commands():
-    from minagi import cli
+    from minagi.lm import cli
     from minagi.bench.__main__ import entry
-    from minagi.prog import BENCHES
+    from minagi.lm.prog import BENCHES
 
     found = {"train": lambda argv: cli.train_parser().parse_args(argv)}
     found.update(cli.COMMANDS)
@@ -101,9 +103,9 @@ def test_every_option_has_a_help_line_and_its_default(monkeypatch, name):
 
 
 def test_the_top_level_help_names_every_command_and_bench():
-    from minagi import cli
+    from minagi.lm import cli
     from minagi.__main__ import commands, usage
-    from minagi.prog import BENCHES
+    from minagi.lm.prog import BENCHES
 
     for text in (cli.train_parser().format_help(), usage("minagi")):
         for name in [*cli.COMMANDS, *BENCHES]:

@@ -9,9 +9,9 @@ import torch
 
 from minagi.bench.quality import (DEFAULT_MODELS, MODELS, DenseGPT, dense_macs, dense_twin, minagi_macs, models,
                                   n_params, tables_twin, wide_twin)
-from minagi.config import load
-from minagi.model import ByteModel
-from minagi.reference import GATED
+from minagi.lm.config import load
+from minagi.lm.model import ByteModel
+from minagi.moe.reference import GATED
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.d_hidden=48"]
@@ -136,7 +136,7 @@ def test_bench_quality_rejects_unknown_models():
 
 
 def test_labels_say_bits_per_byte(tmp_path, capsys):
-    from minagi.trainer import train
+    from minagi.lm.trainer import train
 
     cfg = load("cpu-tiny", ["train.steps=2", "train.eval_every=2", "train.eval_chunks=2", "train.checkpoint_every=2",
                             "model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "data.context=32"])
@@ -147,7 +147,7 @@ def test_labels_say_bits_per_byte(tmp_path, capsys):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "bits per byte" in r.stderr and float(r.stdout.strip().splitlines()[-1]) > 0
     pytest.importorskip("matplotlib")
-    from minagi import plot
+    from minagi.lm import plot
 
     titles = [c for c in plot.plot_history.__code__.co_consts if isinstance(c, str) and "bits per" in c]
     assert titles and all("bits per byte" in t for t in titles)

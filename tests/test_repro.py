@@ -7,11 +7,11 @@ import sys
 
 import torch
 
-from minagi import checkpoint, distributed
-from minagi import run as run_
+from minagi.lm import checkpoint, distributed
+from minagi.lm import run as run_
 from minagi.bench.repro import differences
-from minagi.config import load
-from minagi.trainer import train
+from minagi.lm.config import load
+from minagi.lm.trainer import train
 
 from conftest import run_bench
 from test_trainer import ROOT, TINY, _cli, _history, _signal_at, text_file  # noqa: F401  (a fixture)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import checkpoint
-from minagi.config import ConfigError, load
-from minagi.data import DataError, load_corpus
-from minagi.run import build
-from minagi.trainer import train
+from minagi.lm import checkpoint
+from minagi.lm.config import ConfigError, load
+from minagi.lm.data import DataError, load_corpus
+from minagi.lm.run import build
+from minagi.lm.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "model.n_pool=6", "model.n_slots=4",
@@ -126,7 +126,7 @@ def test_cli_errors_name_the_problem(args, message):
 
 
 def test_a_wrong_length_names_the_setting_and_the_flag(capsys):
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     assert main(["--steps", "-5"]) == 2
     err = capsys.readouterr().err
@@ -185,7 +185,7 @@ def test_default_corpus_is_the_stdlib():
 def test_profiles_load_and_say_what_they_are_for():
     for name in ("cpu-tiny", "cpu-small", "strix-small", "strix-large"):
         cfg = load(name)
-        text = (ROOT / "minagi" / "profiles" / f"{name}.toml").read_text()
+        text = (ROOT / "minagi" / "lm" / "profiles" / f"{name}.toml").read_text()
         assert text.startswith("# ") and cfg.profile == name
     large = load("strix-large").model
     assert (large.n_slots, large.top_k, large.capacity_factor, large.dtype) == (128, 8, 0.0, "bfloat16")

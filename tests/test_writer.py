@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import ops
-from minagi.config import load
-from minagi.evaluate import bits_per_byte
-from minagi.model import ByteModel
-from minagi.trainer import train
-from minagi.writer import NO_REPEAT_NGRAM, banned_bytes, load_model, prepare_prompt, write
+from minagi.moe import ops
+from minagi.lm.config import load
+from minagi.lm.evaluate import bits_per_byte
+from minagi.lm.model import ByteModel
+from minagi.lm.trainer import train
+from minagi.lm.writer import NO_REPEAT_NGRAM, banned_bytes, load_model, prepare_prompt, write
 
 from conftest import assert_close
 from test_model import small
@@ -224,7 +224,7 @@ def test_plot_writes_a_png(run_dir):
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(run_dir, monkeypatch, capsys):
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it fails
     assert main(["plot", str(run_dir)]) == 2
@@ -244,9 +244,9 @@ def text_run(tmp_path_factory):
 
 
 def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
-    from minagi.cli import main
-    from minagi.data import run_corpus
-    from minagi.evaluate import scored_bytes
+    from minagi.lm.cli import main
+    from minagi.lm.data import run_corpus
+    from minagi.lm.evaluate import scored_bytes
 
     model, cfg = load_model(text_run)
     data, what, note = scored_bytes(cfg)
@@ -259,7 +259,7 @@ def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
 
 
 def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_path, capsys):
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     (tmp_path / "__pycache__").mkdir()
     (tmp_path / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00" * 100)
@@ -274,7 +274,7 @@ def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_
 def test_a_file_that_is_not_a_checkpoint_is_one_line(text_run, tmp_path, capsys):
     import argparse
 
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     torch.save(argparse.Namespace(steps=1), tmp_path / "other.pt")  # unpickling it is refused
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..prog import ListHelpFormatter
+from ..lm.prog import ListHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[2]
 LOADS = ("quiet", "busy", "train", "build")
@@ -84,7 +84,7 @@ def _history(run: Path) -> dict:
 
 def differences(ref: Path, run: Path) -> list[str]:
     """Where run's end differs from ref's: checkpoint entries and history records (by step)."""
-    from .. import checkpoint
+    from ..lm import checkpoint
 
     a, b = checkpoint.load(ref), checkpoint.load(run)
     out: list[str] = []

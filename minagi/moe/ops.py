@@ -30,19 +30,6 @@ def constant(name: str, fallback: int) -> int:
 GPU_MAX_SLOTS = constant("gpu_max_slots", 2048)
 
 
-def check_card_fits(n_slots: int, device: torch.device, gpu_kernels: bool | None = None) -> None:
-    """Before a run: a card the GPU kernels cannot take is an error now, not after the first step.
-    Routing runs on the compiled kernels wherever they exist for the device (whatever
-    model.dispatch says), so their presence decides; gpu_kernels overrides the look (tests)."""
-    has = supports(device) if gpu_kernels is None else gpu_kernels
-    if device.type == "cuda" and has and n_slots > GPU_MAX_SLOTS:
-        from .config import ConfigError
-
-        raise ConfigError(f"model.n_slots = {n_slots}: the GPU kernels take at most {GPU_MAX_SLOTS} card slots; "
-                          f"use a smaller card (model.n_slots; the pool can stay larger, admission picks the card), "
-                          f"or train on the CPU")
-
-
 def _fake_registrations(lib: str = "minagi") -> None:
     @torch.library.register_fake(f"{lib}::routing")
     def _(logits, top_k):

@@ -16,6 +16,9 @@ from minagi.lm.data import BINS, META, DataError, load_corpus, open_prepared, pr
 from conftest import run_bench
 from test_trainer import TINY, _cli, _history, _signal_at  # noqa: F401
 
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -86,7 +89,7 @@ def test_eval_and_routes_take_a_prepared_folder(folder, tmp_path):
 
 def test_interrupted_prepare_never_looks_complete(folder, tmp_path):
     # SIGKILL after the first block: no corpus.json, so nothing takes the folder for a corpus.
-    script = ("import os, signal, sys; from minagi import data; data.BLOCK = 1000\n"
+    script = ("import os, signal, sys; from minagi.lm import data; data.BLOCK = 1000\n"
               "def kill(done, total):\n"
               "    if done > 5000: os.kill(os.getpid(), signal.SIGKILL)\n"
               "data.prepare(sys.argv[1], sys.argv[2], progress=kill)\n")

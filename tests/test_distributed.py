@@ -21,7 +21,9 @@ from minagi.moe.reference import GATED
 from test_trainer import TINY, _cli, _history
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")]
 
 # Eight steps, checkpoints every four, one thread; the card smaller than the pool (6 experts, 4 on it).
 ARGS = [*sum((["--set", s] for s in TINY if not s.startswith("train.batch")), []), "--steps", "8",

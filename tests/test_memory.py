@@ -18,6 +18,9 @@ from minagi.moe.reference import bucket
 
 from conftest import BENCH_TINY, EXT, assert_close, run_bench
 
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ["rectangle", "grouped"] + (["compiled"] if EXT else [])
 

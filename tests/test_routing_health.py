@@ -22,6 +22,9 @@ from minagi.lm.pool import PooledMLP, RowRoute
 from conftest import assert_close
 from test_trainer import TINY, _cli, _history, _signal_at, text_file  # noqa: F401  (a fixture)
 
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -372,7 +372,7 @@ class RowCache:
         self.card = None  # the card admitted for this stream (from its first characters)
         self.card_bias = None  # its routing biases (bias balancing)
         # The dense weights transposed, [in, out] row-major: a one-row product then streams each
-        # weight once (x @ w_t runs ~1.7x faster than F.linear from a cold cache). Like the
+        # weight once (faster than F.linear's strided read from a cold cache). Like the
         # card, they belong to the weights the cache was made with.
         w = model.attn.qkv.weight.detach()
         self.qkv_t = w.t().contiguous()

@@ -392,7 +392,7 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
 # Up to this many tokens go through the decode path (no plan): writing's one character per
 # stream, or a handful of streams. N characters put at most N rows in a slot, so this is the
 # CPU's few-row kernels' limit (csrc/sizes.h kSmallRows), read from the extension.
-DECODE_MAX_CHARS = _ops.constant("small_rows", 4)
+DECODE_MAX_CHARS = _ops.constant("small_rows")
 
 
 def _below_autograd(wants_grad: bool):

@@ -18,16 +18,21 @@ from . import _backend, reference
 _REGISTERED = False
 
 
-def constant(name: str, fallback: int) -> int:
-    """A size defined in C++ (torch.ops.minagi.constant), read from the extension; `fallback`
-    where it is not loaded (tests/test_ops.py checks the two agree)."""
-    return int(torch.ops.minagi.constant(name)) if _backend.loaded() else fallback
+# The sizes C++ defines (csrc/sizes.h, csrc/common.h), as the pure-torch twins take them where the
+# extension is not loaded; tests/test_ops.py checks each equals the built extension's.
+FALLBACK_CONSTANTS = {"small_rows": 4, "gpu_max_slots": 2048}
+
+
+def constant(name: str) -> int:
+    """A size defined in C++ (torch.ops.minagi.constant), read from the extension where it is
+    loaded, else FALLBACK_CONSTANTS'."""
+    return int(torch.ops.minagi.constant(name)) if _backend.loaded() else FALLBACK_CONSTANTS[name]
 
 
 # The most card slots the GPU kernels take (csrc/common.h kMaxGpuSlots, which the kernels check:
 # the routing and plan kernels keep per-slot arrays in one block's shared memory). The CPU
 # kernels and the pure-torch twins have no limit.
-GPU_MAX_SLOTS = constant("gpu_max_slots", 2048)
+GPU_MAX_SLOTS = constant("gpu_max_slots")
 
 
 def _fake_registrations(lib: str = "minagi") -> None:

@@ -63,6 +63,7 @@ def test_require_with_a_built_extension_loads():
     assert r.returncode == 0 and r.stdout.strip() == "True"
 
 
+@pytest.mark.slow
 def test_doctor():
     r = subprocess.run([sys.executable, "-m", "minagi", "doctor"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -80,6 +81,7 @@ def test_has_kernel_is_false_for_an_op_the_build_lacks():
     assert _backend.has_kernel("grouped_mm", "cpu") == EXT
 
 
+@pytest.mark.slow
 def test_bench_dispatch_small(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "dispatch", "--N", "64", "--S", "8", "--K", "2",
@@ -96,11 +98,13 @@ def test_bench_dispatch_small(tmp_path):
     assert "sink routing" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_rejects_unknown_benchmark():
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "nope"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_train_small():
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "train", "--reps", "1", "--steps", "1",
                         "--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "data.context=32"],

@@ -168,6 +168,7 @@ def test_float32_gates_with_bfloat16_x_come_back_in_float32(path):
     assert g.dtype == torch.float32 and g.abs().sum() > 0
 
 
+@pytest.mark.slow
 @requires_ext
 def test_compiled_forms_pass_opcheck_gradcheck_and_gradgradcheck(compiled):
     from minagi.moe import reference

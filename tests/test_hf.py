@@ -313,6 +313,7 @@ def test_bench_hf_sizes_a_decode_sample_by_a_warm_call(monkeypatch):
     assert seen["minagi"] == [1, 1, 1] and r["calls_per_sample"] == {"minagi": 1}
 
 
+@pytest.mark.slow
 def test_profile_tool_shows_where_a_backends_time_goes_beside_the_floor():
     from pathlib import Path
 

@@ -809,6 +809,7 @@ def test_one_gpu_slot_limit_in_the_kernels_and_before_a_run():
     run_.check_card_fits(5000, torch.device("cuda"), gpu_kernels=False)  # no GPU kernels: the twins route
 
 
+@pytest.mark.slow
 @requires_ext
 def test_debug_checks_range_check_indices_on_the_host_first():
     import subprocess
@@ -825,6 +826,7 @@ def test_debug_checks_range_check_indices_on_the_host_first():
         assert ("MINAGI_DEBUG_CHECKS" in r.stderr) == (switch == "1")
 
 
+@pytest.mark.slow
 @requires_ext
 def test_portable_cpu_loops_where_avx512_is_switched_off():
     # A CPU without AVX-512 takes the portable loops and ATen where this one runs hand-written

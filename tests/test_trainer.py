@@ -67,6 +67,7 @@ def test_cpu_tiny_smoke_run_heldout_falls(tmp_path):
     assert ckpt["config"]["train"]["steps"] == 30 and set(ckpt["dispatch"]) == {"path", "extension", "software"}
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, text_file):
     args = ["--data", str(text_file), "--steps", "20", *sum((["--set", s] for s in TINY), []),
             "--set", "train.checkpoint_every=5", "--set", "train.eval_every=5"]

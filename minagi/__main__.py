@@ -25,9 +25,13 @@ def doctor() -> int:
     ]
     if st.loaded:
         lines.append(f"  build          {torch.ops.minagi.build_info()}")
+        if hasattr(torch.ops.minagi, "cpu_isa"):
+            lines.append(f"  cpu isa        {torch.ops.minagi.cpu_isa()} (the quantized kernels' x86 level; "
+                         f"MINAGI_CPU_ISA={os.environ.get('MINAGI_CPU_ISA', '')} caps it)")
         for op in _backend.OP_NAMES + _backend.FUSED_OP_NAMES:
             kernels = [k for k in ("cpu", "cuda") if _backend.has_kernel(op, k)]
-            fused = " (fused; the ops above elsewhere)" if op in _backend.FUSED_OP_NAMES else ""
+            fused = (" (elsewhere: dequantized, then grouped_mm)" if op == "qgrouped_mm" else
+                     " (fused; the ops above elsewhere)" if op in _backend.FUSED_OP_NAMES else "")
             if not hasattr(torch.ops.minagi, op):  # a stale build: it runs, without this op's speed
                 kernels, fused = ["not in this build (rebuild: pip install --no-build-isolation -e .)"], ""
             lines.append(f"  minagi::{op:<19} {', '.join(kernels) or 'none'}{fused}")

@@ -355,3 +355,66 @@ def test_static_cache_generate_compiled_whole_equals_eager(name):
                          compile_config=config)
     assert torch.equal(got, ref)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+
+
+def _dequantized_copy(model):
+    """The model with each quantized experts weight replaced by the float weight it stands for, in
+    the module's own layout: the oracle a quantized model's tokens are held to."""
+    from minagi.moe.quant import QuantizedWeight
+
+    deq = copy.deepcopy(model)
+    for m in deq.modules():
+        for n, w in list(vars(m).items()):
+            if isinstance(w, QuantizedWeight):
+                f = w.dequantize()  # [E, in, out]
+                delattr(m, n)
+                m.register_parameter(n, torch.nn.Parameter(f if m.is_transposed else f.mT.contiguous()))
+    return deq
+
+
+def _model_32_wide(name):
+    """The tiny model with its experts 32 wide (int4's smallest group) in and out."""
+    cls, fields = TINY[name]
+    wide = {k: 32 if k in ("intermediate_size", "moe_intermediate_size") else v for k, v in fields.items()}
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(**{**BASE, "hidden_size": 32}, **wide)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "nemotron_h"])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_quantize_converts_every_experts_module_and_generates_the_dequantized_models_tokens(name, bits, group, capsys):
+    from minagi.moe.quant import QuantizedWeight
+
+    model, ids = _model_32_wide(name), _ids(batch=1, seq=6)
+    experts = _experts(model)
+    before = sum(p.nbytes for m in experts for n, p in m.named_parameters(recurse=False) if not n.endswith("bias"))
+    report = minagi.hf.quantize(model, bits=bits, group_size=group)
+    assert str(report) in capsys.readouterr().out
+    assert report.modules == len(experts) and report.weights == 2 * len(experts) and not report.skipped
+    assert report.bytes_before == before and report.bytes_after < before / (3 if bits == 8 else 6)
+    assert all(isinstance(getattr(m, n), QuantizedWeight) for m in experts
+               for n in (("gate_up_proj" if m.has_gate else "up_proj"), "down_proj"))
+    assert model.config._experts_implementation == "minagi"
+    deq = _dequantized_copy(model)
+    # transformers' own loop over the float weights
+    torch.testing.assert_close(_logits(model, "minagi", ids), _logits(deq, "eager", ids), rtol=1e-4, atol=1e-4)
+    got = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, deq.generate(ids, max_new_tokens=12, do_sample=False))
+    again = minagi.hf.quantize(model, bits=bits, group_size=group, verbose=False)  # already done: nothing
+    assert (again.modules, again.weights) == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_quantized_model_generates_under_compile_with_a_static_cache():
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, ids = _model_32_wide("qwen3_moe"), _ids(batch=1, seq=6)
+    minagi.hf.quantize(model, bits=4, group_size=32, verbose=False)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    got = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                         compile_config=config)
+    assert torch.equal(got, ref)

@@ -34,7 +34,7 @@ LAYERS = [
     # The library: imports nothing above this line.
     ("library front ends", {"minagi.moe", "minagi.moe.hf", "minagi.moe.expert_parallel"}),
     ("dispatch", {"minagi.moe.dispatch"}),
-    ("ops", {"minagi.moe.ops", "minagi.moe.reference", "minagi.moe._backend"}),
+    ("ops", {"minagi.moe.ops", "minagi.moe.reference", "minagi.moe._backend", "minagi.moe.quant"}),
 ]
 LIBRARY = "minagi.moe"
 APPLICATION = "minagi.lm"
@@ -166,7 +166,7 @@ def test_the_library_imports_nothing_from_the_application():
 def test_the_front_loads_the_application_only_when_asked():
     import subprocess
 
-    code = ("import sys, minagi, minagi.hf; assert minagi.hf is sys.modules['minagi.moe.hf']; "
+    code = ("import sys, minagi, minagi.hf, minagi.quant; assert minagi.hf is sys.modules['minagi.moe.hf']; assert minagi.quant is sys.modules['minagi.moe.quant']; "
             "assert not [m for m in sys.modules if m.startswith('minagi.lm')], sorted(sys.modules); "
             "minagi.PooledMLP; assert 'minagi.lm.pool' in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

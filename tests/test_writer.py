@@ -294,3 +294,33 @@ def test_bench_write_command(run_dir):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "writing: char/s" in r.stdout and "under sink routing" in r.stdout
+
+
+def test_quantized_experts_write_and_score_as_the_dequantized_pool():
+    # --quantize: the pool's experts as minagi.moe.quant weights; the model then computes what the
+    # same model with those weights dequantized computes (the oracle), and writes the same bytes.
+    # A card smaller than the pool takes its experts out of the quantized pool (index_select).
+    from minagi.lm.writer import quantize_experts
+
+    data = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 8))
+    for spec, n_slots in (("int8", 6), ("int4", 4)):
+        torch.manual_seed(0)
+        q = ByteModel(small(d_model=32, d_hidden=64, n_slots=n_slots), context=24).eval()
+        deq = ByteModel(small(d_model=32, d_hidden=64, n_slots=n_slots), context=24).eval()
+        deq.load_state_dict(q.state_dict())
+        assert f"experts in {spec}" in quantize_experts(q, spec)
+        with torch.no_grad():
+            deq.pool.w_in.copy_(q.pool.w_in.dequantize())
+            deq.pool.w_out.copy_(q.pool.w_out.dequantize())
+        assert abs(bits_per_byte(q, data, 24) - bits_per_byte(deq, data, 24)) < 1e-4
+        assert write(q, b"def ", 40, temperature=0.0).text == write(deq, b"def ", 40, temperature=0.0).text
+    with pytest.raises(ValueError, match="not a multiple of the int4 group of 32; use --quantize int8"):
+        quantize_experts(ByteModel(small(d_hidden=40), context=24), "int4")
+
+
+def test_eval_quantize_reports_the_float_figure_beside(run_dir, capsys):
+    from minagi.lm.cli import main
+
+    assert main(["eval", str(run_dir), "--data", str(ROOT / "README.md"), "--quantize", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert "float " in err and ", int8 " in err and float(out.strip().splitlines()[-1]) > 0

@@ -114,6 +114,11 @@ def _fused_fake_registrations(names: tuple[str, ...], lib: str = "minagi") -> No
         def _(x, slot_idx, gates, w_in, w_out, b_in, b_out, activation, alpha, limit):
             return x.new_empty(x.shape[0], w_out.shape[2])
 
+    if "qgrouped_mm" in names:
+        @torch.library.register_fake(f"{lib}::qgrouped_mm")
+        def _(a, q, scale, slot_ids, slot_rows, bits, group_size):
+            return a.new_empty(a.shape[0], q.shape[1])
+
 
 def stored_transposed(b_SIO: torch.Tensor) -> bool:
     """Whether b is the .mT view of a contiguous [S, out, in] weight (nn.Linear's layout)."""
@@ -266,6 +271,8 @@ def _fused_autograd_registrations(names: tuple[str, ...], lib: str = "minagi") -
         _gather_mm_act_autograd(lib)
     if "decode_experts" in names:
         _decode_experts_autograd(lib)
+    if "qgrouped_mm" in names:
+        _qgrouped_mm_autograd(lib)
 
 
 def _grouped_mm_scatter_autograd(lib: str) -> None:
@@ -334,6 +341,35 @@ def _decode_experts_autograd(lib: str) -> None:
         return (*(next(grads) if t is not None and t.is_floating_point() else None for t in leaves), None, None, None)
 
     torch.library.register_autograd(f"{lib}::decode_experts", bwd, setup_context=setup)
+
+
+NO_WEIGHT_GRAD = ("quantized weights take no gradient (their values are integers; expert_mlp gives gradients to x and "
+                  "the gates only): pass a scale that does not require grad, or train the float weights")
+
+
+def _qgrouped_mm_autograd(lib: str) -> None:
+    # a's gradient only: grad @ W^T per slot, W dequantized (the twin's maths) and multiplied by the
+    # device's grouped_mm, which reads nothing on the host.
+    ops = getattr(torch.ops, lib)
+
+    def setup(ctx, inputs, output):
+        a, q, scale, slot_ids, slot_rows, bits, group_size = inputs
+        ctx.form = (bits, group_size)
+        ctx.save_for_backward(q, scale, slot_ids, slot_rows)
+
+    def bwd(ctx, grad):
+        if ctx.needs_input_grad[2]:
+            raise RuntimeError(f"minagi.qgrouped_mm: {NO_WEIGHT_GRAD}")
+        q, scale, slot_ids, slot_rows = ctx.saved_tensors
+        grad_a = None
+        if ctx.needs_input_grad[0]:
+            w_AOI = reference.dequantize(q.index_select(0, slot_ids), scale.index_select(0, slot_ids), *ctx.form,
+                                         grad.dtype)
+            ids_A = torch.arange(slot_ids.shape[0], device=slot_ids.device)
+            grad_a = ops.grouped_mm(grad, w_AOI, ids_A, slot_rows)
+        return grad_a, None, None, None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::qgrouped_mm", bwd, setup_context=setup)
 
 
 def _scatter_mm_backward_autograd(lib: str) -> None:

@@ -2,6 +2,10 @@ import os
 
 # cuBLAS refuses deterministic mode without a fixed workspace; set before any GPU work.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# Auto threads (train.threads = 0) follow the free cores, so a test's two runs compared bit for bit
+# could train on other threads where the machine is shared (CI, other work): the watch is off in
+# the tests' runs and their subprocesses; tests/test_trainer.py tests its logic with injected figures.
+os.environ.setdefault("MINAGI_WATCH_CORES", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -184,6 +184,102 @@ def _setup_build_class():
     return cmd
 
 
+def _setup_module():
+    """setup.py's definitions, without its last statement (the call of setup(), which builds)."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+                                          and getattr(n.value.func, "id", "") == "setup")]
+    ns = {"__file__": str(ROOT / "setup.py"), "__name__": "minagi_setup"}
+    exec(compile(ast.Module(body, []), str(ROOT / "setup.py"), "exec"), ns)
+    return ns
+
+
+def _project(root: Path) -> Path:
+    (root / "csrc" / "cpu").mkdir(parents=True)
+    (root / "setup.py").write_text("setup()\n")
+    (root / "csrc" / "ops.cpp").write_text("int f();\n")
+    (root / "csrc" / "cpu" / "rows.h").write_text("#pragma once\n")
+    return root
+
+
+def test_the_build_cache_key_is_the_sources_and_what_built_them(tmp_path):
+    key = _setup_module()["_cache_key"]
+    root, inputs = _project(tmp_path), {"torch": ["2.13.0+cpu"], "compiler": "c++ (GCC) 14.2"}
+    first = key(root, inputs)
+    assert key(root, dict(reversed(inputs.items()))) == first  # the same sources and inputs: the same build
+    (root / "csrc" / ".rows.h.swp").write_text("an editor's file")
+    (root / "csrc" / "__notes").mkdir()
+    (root / "csrc" / "__notes" / "x.txt").write_text("x")
+    changed = [key(root, {**inputs, "torch": ["2.14.0+cpu"]}), key(root, {**inputs, "compiler": "clang 19"})]
+    assert key(root, inputs) != first  # a file under csrc/ (any, not only sources): another build
+    (root / "csrc" / "__notes" / "x.txt").unlink()
+    (root / "csrc" / "__notes").rmdir()
+    assert key(root, inputs) == first  # hidden files do not count
+    for path, text in [("csrc/cpu/rows.h", "#pragma once\n// x\n"), ("setup.py", "setup(x=1)\n")]:
+        old = (root / path).read_text()
+        (root / path).write_text(text)
+        changed.append(key(root, inputs))
+        (root / path).write_text(old)
+    (root / "csrc" / "cpu" / "rows.h").rename(root / "csrc" / "rows.h")  # the same bytes, another path
+    changed.append(key(root, inputs))
+    assert len({first, *changed}) == 1 + len(changed), changed
+
+
+def test_an_unchanged_build_is_copied_not_compiled(tmp_path, monkeypatch):
+    # pip builds an editable install in a fresh temporary folder, so adding an extra
+    # (pip install -e ".[hf]") compiled everything again; now the build of the same sources is copied.
+    from setuptools import Distribution
+    from setuptools.extension import Extension
+    from torch.utils.cpp_extension import BuildExtension
+
+    ns = _setup_module()
+    root = _project(tmp_path / "project")
+    ns["ROOT"], ns["_build_inputs"] = str(root), lambda ext: {"torch": "x"}
+    compiled = []
+
+    def compile_(self, ext):  # what the compiler would make: the sources' bytes
+        compiled.append(ext.name)
+        out = Path(self.get_ext_fullpath(ext.name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes((root / "csrc" / "ops.cpp").read_bytes())
+
+    monkeypatch.setattr(BuildExtension, "build_extension", compile_)
+    monkeypatch.setenv("MINAGI_BUILD_QUIET", "1")
+    monkeypatch.delenv("MINAGI_REBUILD", raising=False)
+
+    def build(lib):
+        cmd = ns["_build_ext_class"]()(Distribution())
+        cmd.build_lib = str(tmp_path / lib)
+        cmd.build_extension(Extension("minagi._C", ["csrc/ops.cpp"]))
+        return Path(cmd.get_ext_fullpath("minagi._C"))
+
+    assert build("a").read_bytes() == b"int f();\n" and compiled == ["minagi._C"]
+    assert build("b").read_bytes() == b"int f();\n" and compiled == ["minagi._C"]  # copied from the cache
+    (root / "csrc" / "ops.cpp").write_text("int g();\n")
+    assert build("c").read_bytes() == b"int g();\n" and len(compiled) == 2  # a changed source compiles
+    monkeypatch.setenv("MINAGI_REBUILD", "1")
+    assert build("d").read_bytes() == b"int g();\n" and len(compiled) == 3  # asked to compile
+    monkeypatch.delenv("MINAGI_REBUILD")
+    for i in range(4):
+        (root / "csrc" / "ops.cpp").write_text(f"int h{i}();\n")
+        build(f"e{i}")
+    assert len(list((root / ns["CACHE"]).iterdir())) == ns["CACHE_KEEP"]  # the newest builds are kept
+
+
+def test_ninja_lines_become_a_file_a_line():
+    line = _setup_module()["progress_line"]
+    root = "/src/minagi"
+    compile_ = ("[3/10] c++ -MMD -MF /src/minagi/build/temp/csrc/cpu/decode.o.d -O3 -I/venv/torch/include "
+                "-c -c /src/minagi/csrc/cpu/decode.cpp -o /src/minagi/build/temp/csrc/cpu/decode.o -fopenmp")
+    assert line(compile_, root, 72.4) == "[3/10] compiled csrc/cpu/decode.cpp (1m12s)"
+    assert line("[1/2] /usr/bin/nvcc -c /src/minagi/csrc/cuda/gather.cu -o x.o\n", root, 5) == (
+        "[1/2] compiled csrc/cuda/gather.cu (0m05s)")
+    assert line("[9/9] c++ a.o b.o -shared -o build/lib/minagi/_C.so -fopenmp", root, 0) == "[9/9] linked _C.so (0m00s)"
+    assert line("csrc/cpu/decode.cpp:12: warning: unused variable", root, 0) is None
+
+
 def test_a_build_in_place_never_leaves_the_extension_missing_or_partial(tmp_path):
     # setuptools deletes the target and writes it in 16 KiB pieces; a process starting then found
     # no extension and ran on the pure-torch ops (other numerics). minagi's build renames a

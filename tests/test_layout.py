@@ -25,7 +25,8 @@ LAYERS = [
     ("command line", {"minagi.lm.cli"}),
     ("commands and training", {"minagi.lm.trainer", "minagi.lm.step", "minagi.lm.progress", "minagi.lm.run",
                                "minagi.lm.history", "minagi.lm.writer", "minagi.lm.routes", "minagi.lm.evaluate",
-                               "minagi.lm.plot", "minagi.lm.checkpoint", "minagi.lm.allocator"}),
+                               "minagi.lm.plot", "minagi.lm.checkpoint", "minagi.lm.allocator",
+                               "minagi.lm.cores"}),
     ("model", {"minagi.lm.model", "minagi.lm.optim"}),
     ("pool", {"minagi.lm.pool"}),
     # Leaves of the application: names and helpers its layers share; they import only each other.

@@ -238,3 +238,142 @@ def test_compiled_training_follows_eager(tmp_path, text_file):
     assert abs(compiled["heldout_bpc"] - eager["heldout_bpc"]) < 1e-3 * eager["heldout_bpc"]
     assert _history(tmp_path / "compiled")[-1]["train_loss"] == pytest.approx(
         _history(tmp_path / "eager")[-1]["train_loss"], rel=1e-3)
+
+
+# --- What a run says while it runs: the time left, the held-out trend ------------------------
+
+def test_the_time_left_comes_from_the_recent_steps():
+    from minagi.lm.progress import Pace, duration
+
+    assert [duration(s) for s in (0, 42.4, 185, 3725)] == ["0s", "42s", "3m05s", "1h02m"]
+    pace = Pace(window=10)
+    assert pace.left(100) is None  # no step seen yet
+    for _ in range(50):
+        pace.step(1.0)  # the run's first 50 steps: 1 s each
+    assert pace.left(100) == pytest.approx(100.0)
+    for _ in range(10):
+        pace.step(0.25)  # then 4x faster (other work gone, rows that halt sooner): the window's pace
+    assert pace.left(100) == pytest.approx(25.0)
+    pace.evaluated(3.0)  # an evaluation (and its checkpoint) took 3 s: each one left counts it
+    assert pace.left(100, evals_left=4) == pytest.approx(25.0 + 12.0)
+
+
+def test_evaluations_left_counts_the_steps_that_evaluate():
+    from minagi.lm.config import TrainConfig
+    from minagi.lm.trainer import evaluates, evaluations_left
+
+    for steps, every, ckpt in [(1500, 250, 500), (30, 10, 10), (31, 10, 4), (7, 3, 5), (12, 12, 5), (5, 100, 200)]:
+        t = TrainConfig(steps=steps, eval_every=every, checkpoint_every=ckpt)
+        for step in range(steps + 1):
+            want = sum(evaluates(t, s, s == steps) for s in range(step + 1, steps + 1))
+            assert evaluations_left(t, step) == want, (steps, every, ckpt, step)
+
+
+def test_the_heldout_line_shows_its_trend(capsys):
+    from minagi.lm.progress import Progress, trend
+
+    assert trend(250, 2.39, None) == "step 250: held-out 2.390 bits per byte"
+    assert trend(500, 2.31, (250, 2.39)) == "step 500: held-out 2.310 bits per byte (-0.080 since step 250)"
+    assert trend(90, 2.0, (60, float("nan"))) == "step 90: held-out 2.000 bits per byte"  # a resume without a score
+    bar = Progress(1000, 0)  # stderr is captured: plain lines
+    bar.heldout(250, 2.39)
+    bar.heldout(500, 2.40)
+    assert capsys.readouterr().err.splitlines() == [
+        "step 250: held-out 2.390 bits per byte", "step 500: held-out 2.400 bits per byte (+0.010 since step 250)"]
+    resumed = Progress(1000, 500, last_heldout=(500, 2.40))
+    resumed.heldout(750, 2.2)
+    assert capsys.readouterr().err.strip().endswith("(-0.200 since step 500)")
+
+
+def test_progress_lines_show_the_time_left(capsys):
+    from minagi.lm.progress import Progress
+
+    bar = Progress(40, 0, evals_left=lambda step: (40 - step) // 10)  # a line every 2 steps
+    for step in range(1, 7):
+        bar.update(step, 2.0, 1000.0, 1.5, seconds=0.5)
+    bar.pace.evaluated(2.0)
+    bar.update(7, 2.0, 1000.0, 1.5, seconds=0.5)
+    bar.update(8, 2.0, 1000.0, 1.5, seconds=0.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "step 2/40  loss 2.000  1,000 char/s  rows 1.50"  # too few steps for a pace
+    assert lines[1] == "step 4/40  loss 2.000  1,000 char/s  rows 1.50  18s left"  # 36 steps x 0.5 s
+    assert lines[-1] == "step 8/40  loss 2.000  1,000 char/s  rows 1.50  22s left"  # 16 s + 3 evaluations x 2 s
+
+
+# --- A shared machine: threads that follow the free cores (minagi/lm/cores.py) -----------------
+
+def test_other_work_is_read_from_the_cpus_busy_time_less_this_process():
+    from minagi.lm import cores
+
+    stat = ("cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 100 0 50 400 10 0 5 5 0 0\ncpu1 200 10 20 300 0 1 1 0 7 0\n"
+            "cpu2 1000 0 0 0 0 0 0 0 0 0\nintr 1 2 3\n")
+    assert cores.parse_stat(stat, {0, 1}, 0.01) == pytest.approx((160 + 232) * 0.01)  # idle, iowait, cpu2 not counted
+    a, b = cores.Reading(10.0, 100.0, 5.0), cores.Reading(15.0, 109.0, 9.0)
+    assert cores.others(a, b) == pytest.approx(1.0)  # 9 busy CPU-seconds in 5 s, 4 of them this process's
+    assert cores.others(a, cores.Reading(15.0, 102.0, 9.0)) == 0.0  # ticks rounded: never below nothing
+    assert [cores.taken(x) for x in (0.0, 0.5, 0.6, 0.8, 1.55, 1.6, 2.2)] == [0, 0, 1, 1, 1, 2, 2]
+
+
+def test_auto_threads_follow_the_free_cores_and_say_so_once():
+    from minagi.lm.cores import Policy
+
+    p = Policy(cores=2, threads=2, pinned=False)
+    assert p.interval(0.1, 14_000) == (None, None)  # quiet: the pace to compare with
+    threads, line = p.interval(0.7, 3_400)  # a busy process beside it: the run collapsed
+    assert threads == 1 and line == (
+        "minagi: other work is using 0.7 of this machine's 2 cores, training at 3,400 char/s, down from 14,000: "
+        "now 1 thread (train.threads = 0 follows the free cores; a pinned train.threads keeps its threads and its "
+        "bits)")
+    assert p.interval(1.0, 9_000) == (None, None)  # one thread beside it: nothing to change
+    assert p.interval(0.0, 9_000) == (None, None)  # the core came free: once is not yet enough
+    assert p.interval(0.0, 9_000) == (2, None)  # twice: taken back, silently
+    assert p.interval(1.8, 2_000) == (1, None)  # two busy processes: one thread again, nothing said again
+    assert p.interval(0.1, 9_000) == (None, None) and p.interval(1.0, 9_000) == (None, None)  # a calm interval alone
+    threads, line = Policy(cores=8, threads=8, pinned=False).interval(2.7, None)  # at the start-up: no pace yet
+    assert threads == 5 and line.startswith("minagi: other work is using 2.7 of this machine's 8 cores: now 5 threads")
+
+
+def test_a_pinned_run_keeps_its_threads_and_only_says_it_slowed():
+    from minagi.lm.cores import Policy
+
+    p = Policy(cores=2, threads=2, pinned=True)
+    assert p.interval(0.0, 14_000) == (None, None)
+    assert p.interval(0.8, 13_000) == (None, None)  # other work, but no slowdown worth a word
+    threads, line = p.interval(0.8, 3_000)
+    assert threads is None and line == (
+        "minagi: other work is using 0.8 of this machine's 2 cores, training at 3,000 char/s, down from 14,000: "
+        "train.threads = 2 is pinned, so it stays (its runs are bit-reproducible); train.threads = 0 would follow "
+        "the free cores")
+    assert all(p.interval(x, 2_000) == (None, None) for x in (1.5, 0.0, 0.0, 0.9))  # never changed, said once
+    one = Policy(cores=2, threads=1, pinned=True)
+    assert one.interval(1.0, None) == (None, None)  # one pinned thread beside one busy process: no crowding
+
+
+def test_the_watch_looks_at_the_machine_and_sets_the_threads():
+    from minagi.lm import cores
+
+    clock, readings, set_to, said = [0.0], [], [], []
+    watch = cores.Watch(cores.Policy(2, 2, pinned=False), said.append, cores.Reading(0.0, 0.0, 0.0),
+                        reader=lambda: readings.pop(0), clock=lambda: clock[0], set_threads=set_to.append)
+    clock[0] = 0.5
+    watch.step(1024, 0.1)  # before FIRST_S: no look
+    assert (set_to, said) == ([], [])
+    clock[0] = cores.FIRST_S
+    readings.append(cores.Reading(cores.FIRST_S, 1.6, 1.0))  # others took 0.6 of a core
+    watch.step(1024, 0.1)
+    assert set_to == [1] and len(said) == 1 and "training at" not in said[0]  # no quiet pace seen yet
+    clock[0] = cores.FIRST_S + cores.INTERVAL_S - 0.1
+    watch.step(1024, 0.1)  # the next look waits INTERVAL_S
+    assert set_to == [1] and readings == []
+
+
+def test_the_watch_is_off_off_the_cpu_under_torchrun_and_when_asked(monkeypatch):
+    from minagi.lm import cores
+
+    first = cores.Reading(0.0, 0.0, 0.0)
+    monkeypatch.setenv("MINAGI_WATCH_CORES", "1")
+    assert cores.start(None, "cpu", False, 0, print) is None  # no /proc/stat
+    assert cores.start(first, "cuda", False, 0, print) is None
+    assert cores.start(first, "cpu", True, 0, print) is None  # the other ranks are this run's own work
+    monkeypatch.setenv("MINAGI_WATCH_CORES", "0")
+    assert cores.start(first, "cpu", False, 0, print) is None

@@ -14,6 +14,9 @@ Each run's end is compared with the reference's: every tensor of the checkpoint 
 schedule, data position, random states) bit for bit, and each of the reference's history records
 (losses, held-out bits per byte, routing figures; not times, speeds or memory). With --nproc 2
 every run is a torchrun of two ranks (gloo), and the signal goes to one rank or to torchrun.
+Every run of one process pins train.threads (to the machine's cores, unless --set names it): the
+bits depend on the thread count, and auto threads follow the free cores (minagi/lm/cores.py), which
+the loads take.
 Prints one line per run and a summary; --json writes them all. Exit status 1 on any difference.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..lm.cores import cpus
 from ..lm.prog import ListHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,6 +224,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     cfg_args = ["--profile", args.profile, "--set", f"train.eval_every={args.every}",
                 "--set", f"train.checkpoint_every={3 * args.every}", *sum((["--set", kv] for kv in args.overrides), [])]
+    if args.nproc == 1 and not any(kv.startswith("train.threads=") for kv in args.overrides):
+        cfg_args += ["--set", f"train.threads={len(cpus())}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")

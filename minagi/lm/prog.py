@@ -19,6 +19,7 @@ BENCHES = {
     "data": ("data", "main", "training on a prepared corpus of any size: resident memory"),
     "ddp": ("ddp", "main", "data (and expert) parallelism on one machine"),
     "repro": ("repro", "main", "bit-reproducible training beside other work, exact resume after a signal"),
+    "shared": ("shared", "main", "training char/s beside busy processes: threads following the free cores, every core, 1"),
     "hf": ("hf", "main", "transformers' experts backends against minagi's"),
 }
 

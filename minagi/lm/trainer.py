@@ -10,12 +10,13 @@ progress.py (what it prints), guard.py (divergence, finiteness, signals), checkp
 from __future__ import annotations
 
 import functools
+import math
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import allocator, checkpoint, distributed, history
+from . import allocator, checkpoint, cores, distributed, history
 from .config import Config, TrainConfig
 from .guard import ADVICE, Diverged, DivergenceGuard, GracefulStop, Interrupted, nonfinite, state_tensors
 from .history import Window
@@ -58,33 +59,43 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
     # From here a signal means "stop after the current step", during the start too: it then
     # stops after the first step, with that step's checkpoint.
     with GracefulStop() as signals:
+        machine = cores.read()  # the start-up's share of the machine: the threads for its free cores
         run, window, heldout, corpus, notes = start(cfg, out_dir, resume, steps, named)
         try:
-            bar = Progress(run.cfg.train.steps, run.step, progress and run.dist.main)
+            t = run.cfg.train
+            bar = Progress(t.steps, run.step, progress and run.dist.main, lambda step: evaluations_left(t, step),
+                           (run.step, run.last_bpc) if resume else None)
             # What a resume changed or ignores, and what the corpus's folder skipped: even with --quiet.
             for note in (*notes, world_note(run), corpus.skipped.note(corpus.source)):
                 if note and run.dist.main:
                     bar.write(note, always=True)
+            watch = cores.start(machine, run.device.type, run.dist.active, t.threads,
+                                lambda line: bar.write(line, always=True))
             bar.write(describe(run, corpus, resume))
-            return _loop(run, window, heldout, bar, callbacks, signals)
+            return _loop(run, window, heldout, bar, callbacks, signals, watch)
         finally:
             distributed.stop(run.dist)
 
 
-def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: GracefulStop) -> dict:
-    """Steps until the run's length or a stop; each step trained, counted and shown, then (when
-    due) scored on the held-out chunks, recorded in the history, and checkpointed."""
+def _loop(run: Run, window: Window, heldout, bar: Progress, callbacks, signals: GracefulStop, watch=None) -> dict:
+    """Steps until the run's length or a stop; each step trained, counted and shown (and given to
+    the watch of the machine's cores, where there is one), then (when due) scored on the held-out
+    chunks, recorded in the history, and checkpointed."""
     t = run.cfg.train
     guard, sinks, t_start, record = DivergenceGuard(t.max_bad_steps), SinkWatch(bar, run.out_dir), time.perf_counter(), None
     trim = allocator.HeapTrim(t.malloc_trim_every if run.device.type == "cpu" else 0)
     run.model.train()
     while run.step < t.steps:
         info = _step(run, window, guard, trim, bar)
+        if watch is not None:
+            watch.step(info.chars, info.step_s)
         stop = _stop_asked(run, signals, callbacks, info)
         last = run.step == t.steps or stop
         if evaluates(t, run.step, last):
+            t_eval = time.perf_counter()
             _evaluate(run, heldout, bar)
             record, window = _record(run, window, t_start, checkpoints(t, run.step, last))
+            bar.pace.evaluated(time.perf_counter() - t_eval)
             sinks.check(record)
         if stop:
             break
@@ -98,6 +109,16 @@ def evaluates(t: TrainConfig, step: int, last: bool) -> bool:
     """Whether the held-out chunks are scored after this step: every eval_every steps, and
     before every checkpoint."""
     return step % t.eval_every == 0 or checkpoints(t, step, last)
+
+
+def evaluations_left(t: TrainConfig, step: int) -> int:
+    """How many of the steps after `step` evaluate (for the time left): the multiples of
+    eval_every and of checkpoint_every, and the last step (a run not stopped early)."""
+    def after(every: int) -> int:
+        return t.steps // every - step // every
+
+    last = step < t.steps and t.steps % t.eval_every != 0 and t.steps % t.checkpoint_every != 0
+    return after(t.eval_every) + after(t.checkpoint_every) - after(math.lcm(t.eval_every, t.checkpoint_every)) + last
 
 
 def checkpoints(t: TrainConfig, step: int, last: bool) -> bool:
@@ -116,7 +137,7 @@ def _step(run: Run, window: Window, guard: DivergenceGuard, trim, bar: Progress)
     window.add(outs, loss, ce, chars, seconds, run.cfg.model.max_rows, skipped)
     guard.check(run.step, run.last_good())
     info = StepInfo(run.step, loss, chars, seconds, run.out_dir, skipped, [o.rows_used.detach() for o in outs])
-    bar.update(run.step, loss, window.chars / window.train_s, lambda: info.rows_mean)
+    bar.update(run.step, loss, window.chars / window.train_s, lambda: info.rows_mean, seconds)
     return info
 
 
@@ -147,7 +168,7 @@ def _evaluate(run: Run, heldout, bar: Progress) -> None:
     eval_x, eval_y = heldout
     run.last_bpc = heldout_bpc(run.model, eval_x, eval_y, run.cfg.train.batch, run.cfg, run.device,
                                run.dist if run.ep is None else distributed.SINGLE)
-    bar.write(f"step {run.step}: held-out {run.last_bpc:.3f} bits per byte")
+    bar.heldout(run.step, run.last_bpc)
 
 
 def _record(run: Run, window: Window, t_start: float, save: bool):

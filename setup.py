@@ -89,7 +89,7 @@ def _extensions():
     omp_compile, omp_link = _openmp_flags()
     # -fno-trapping-math: no floating-point trap is ever enabled here, and without it GCC will not
     # vectorise a loop whose float compares it would have to if-convert (GPT-OSS's clamps ran
-    # scalar, 12 ns an element). Values are unchanged: NaN and infinities keep IEEE semantics.
+    # scalar). Values are unchanged: NaN and infinities keep IEEE semantics.
     cxx = (["/O2", "/std:c++17"] if sys.platform == "win32" else ["-O3", "-fno-trapping-math"]) + omp_compile
     sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
     flavour = _gpu_flavour(torch, cpp_extension)

@@ -11,7 +11,7 @@
 Every command's --help lists its options with their defaults; python train.py --help lists the
 commands and the benchmarks.
 
-The library does the work (minagi/cli.py, minagi/trainer.py, minagi/writer.py)."""
+The library does the work (minagi/lm/cli.py, minagi/lm/trainer.py, minagi/lm/writer.py)."""
 import os
 import signal
 import sys
@@ -19,7 +19,7 @@ import sys
 
 def _keep(signum, frame):
     """SIGTERM / SIGINT while torch loads: kept for the trainer, which then stops after its first
-    step with a checkpoint (minagi.guard.GracefulStop takes it over), instead of a kill that
+    step with a checkpoint (minagi.lm.guard.GracefulStop takes it over), instead of a kill that
     saves nothing."""
     _keep.caught = _keep.caught or signum
 
@@ -29,7 +29,7 @@ _keep.caught = int(os.environ.pop("MINAGI_EARLY_SIGNAL", "0")) or None
 for _sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(_sig, _keep)
 
-from minagi.cli import main  # noqa: E402  (after the keeper: this import takes seconds)
+from minagi.lm.cli import main  # noqa: E402  (after the keeper: this import takes seconds)
 
 if __name__ == "__main__":
     sys.exit(main())

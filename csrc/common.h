@@ -33,6 +33,16 @@ inline void check_index(const at::Tensor& t, const char* op, const char* name) {
               " must be int64 (torch.long), got ", t.scalar_type());
 }
 
+// A plan's listed slots and their row counts: 1-D int64 tensors of one length.
+inline void check_ranges_args(const at::Tensor& slot_ids, const at::Tensor& slot_rows, const char* op) {
+  check_dim(slot_ids, 1, op, "slot_ids");
+  check_dim(slot_rows, 1, op, "slot_rows");
+  check_index(slot_ids, op, "slot_ids");
+  check_index(slot_rows, op, "slot_rows");
+  TORCH_CHECK(slot_ids.size(0) == slot_rows.size(0), "minagi.", op, ": slot_ids (", slot_ids.size(0),
+              ") and slot_rows (", slot_rows.size(0), ") must have one length");
+}
+
 inline void check_floating(const at::Tensor& t, const char* op, const char* name) {
   const auto st = t.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf,

@@ -26,6 +26,7 @@ PyObject* PyInit__C(void) {
 namespace minagi {
 std::vector<int64_t> cpu_block_cache(int64_t max_idle_bytes);  // csrc/cpu/block_cache.cpp
 int64_t tile_bytes(c10::string_view name, int64_t value);        // csrc/cpu/scheduling.cpp
+std::string cpu_isa_level();                                     // csrc/cpu/quant.cpp
 
 // The sizes the kernels are built with that Python decides by, read there rather than copied.
 int64_t constant(c10::string_view name) {
@@ -73,6 +74,9 @@ TORCH_LIBRARY(minagi, m) {
   // Not a computation: "small_rows" (csrc/sizes.h kSmallRows: a call of at most this many
   // characters is dispatch's decode case) and "gpu_max_slots" (csrc/common.h kMaxGpuSlots).
   m.def("constant(str name) -> int", &minagi::constant);
+  // Not a computation: the x86 level the CPU's quantized kernels run at, "portable", "avx2" or
+  // "avx512": what CPUID reports, capped by MINAGI_CPU_ISA (csrc/cpu/isa.h).
+  m.def("cpu_isa() -> str", &minagi::cpu_isa_level);
   // logits [N, S] -> slot_idx [N, k] int64 (best first, ties to the lower slot, NaN ranks as
   // -inf), gates [N, k] = softmax over the k chosen logits, load [S] int64 (pairs per slot).
   m.def("routing(Tensor logits, int top_k) -> (Tensor slot_idx, Tensor gates, Tensor load)");
@@ -148,6 +152,16 @@ TORCH_LIBRARY(minagi, m) {
   // b_out [S, D] optional). The pairs are sorted by slot on the host, so each routed slot's weights
   // are read once. One call instead of the unfused decode's plan, gather, two GEMMs, scatter and
   // bias. A CPU kernel only (_backend.FUSED_OP_NAMES).
+  // grouped_mm with quantized weights (minagi/moe/quant.py's storage): range i of a [E, in] times the
+  // weights of slot slot_ids[i] that q and scale stand for, [E, out]. bits 8: q [S, out, in] int8;
+  // bits 4: q [S, out, in / 2] uint8 (32 inputs a 16-byte block: input j in byte j's low nibble,
+  // j + 16 in its high one, each nibble the value + 8). scale [S, out] for group_size 0 (one scale
+  // per output channel), else [S, out, in / group_size] (group_size a multiple of 32), in float32,
+  // bfloat16 or float16; weight = value * scale. Rows past the ranges are zeros. Its gradient goes
+  // to a only (minagi/ops.py): the weights are integers.
+  m.def(
+      "qgrouped_mm(Tensor a, Tensor q, Tensor scale, Tensor slot_ids, Tensor slot_rows, int bits, int group_size) "
+      "-> Tensor");
   m.def(
       "decode_experts(Tensor x, Tensor slot_idx, Tensor gates, Tensor w_in, Tensor w_out, Tensor? b_in, "
       "Tensor? b_out, str activation, float alpha, float limit) -> Tensor");

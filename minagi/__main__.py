@@ -15,7 +15,8 @@ def doctor() -> int:
     """what this install runs on: extension, ops, threads, allocator"""
     import torch
 
-    from . import _backend, allocator
+    from .moe import _backend
+    from .lm import allocator
 
     flavour = "rocm" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else "cpu"
     st = _backend.state()
@@ -26,9 +27,13 @@ def doctor() -> int:
     ]
     if st.loaded:
         lines.append(f"  build          {torch.ops.minagi.build_info()}")
+        if hasattr(torch.ops.minagi, "cpu_isa"):
+            lines.append(f"  cpu isa        {torch.ops.minagi.cpu_isa()} (the quantized kernels' x86 level; "
+                         f"MINAGI_CPU_ISA={os.environ.get('MINAGI_CPU_ISA', '')} caps it)")
         for op in _backend.OP_NAMES + _backend.FUSED_OP_NAMES:
             kernels = [k for k in ("cpu", "cuda") if _backend.has_kernel(op, k)]
-            fused = " (fused; the ops above elsewhere)" if op in _backend.FUSED_OP_NAMES else ""
+            fused = (" (elsewhere: dequantized, then grouped_mm)" if op == "qgrouped_mm" else
+                     " (fused; the ops above elsewhere)" if op in _backend.FUSED_OP_NAMES else "")
             if not hasattr(torch.ops.minagi, op):  # a stale build: it runs, without this op's speed
                 kernels, fused = ["not in this build (rebuild: pip install --no-build-isolation -e .)"], ""
             lines.append(f"  minagi::{op:<19} {', '.join(kernels) or 'none'}{fused}")
@@ -51,14 +56,14 @@ def doctor() -> int:
 
 
 def commands() -> tuple[str, ...]:
-    from . import cli
+    from .lm import cli
 
     return ("train", *cli.COMMANDS, "doctor", "bench")
 
 
 def usage(prog: str) -> str:
-    """Every command and every benchmark, a line each (from minagi.cli's and minagi.bench's tables)."""
-    from .cli import command_list
+    """Every command and every benchmark, a line each (from minagi.lm.cli's and minagi.bench's tables)."""
+    from .lm.cli import command_list
 
     more = {"doctor": doctor.__doc__, "bench": "a benchmark, from the list below"}
     also = "   (or python -m minagi COMMAND)" if prog == "minagi" else ""
@@ -84,7 +89,7 @@ def main(argv=None, prog: str = "python -m minagi") -> int:
         print(f"{prog}: unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; "
               f"the commands are {', '.join(commands())}", file=sys.stderr)
         return 2
-    from .cli import main as cli_main
+    from .lm.cli import main as cli_main
 
     if cmd == "train":
         return cli_main(rest, prog=prog, train_prog=f"{prog} train")

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import minagi
-from minagi import ops
+from minagi.moe import ops
 
 EXT = minagi.extension_loaded()
 requires_ext = pytest.mark.skipif(

@@ -11,7 +11,7 @@ Cases:
   card   - a card smaller than the pool (choose_card over both ranks) and the load balance term
            summed across ranks; DDP's gradients equal one process's on both batches as one.
   drift  - rank 1's model is changed by one bit: check_replicas must name the tensor.
-  ep-uniform, ep-sink, ep-empty - expert parallelism's dispatch (minagi.expert_parallel): 6
+  ep-uniform, ep-sink, ep-empty - expert parallelism's dispatch (minagi.moe.expert_parallel): 6
            experts, 3 on each rank; each rank's characters routed uniformly, with every one taking
            expert 0 (a sink), or all of both ranks' to rank 0's experts (rank 1 receives nothing).
            Outputs, the gradients of x and the gates, and each rank's expert weight gradients
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from minagi import distributed
-from minagi.config import ModelConfig
-from minagi.model import ByteModel
+from minagi.lm import distributed
+from minagi.lm.config import ModelConfig
+from minagi.lm.model import ByteModel
 
 T = 32
 
@@ -129,8 +129,8 @@ def ep_inputs(r: int, routing: str):
 
 
 def case_ep(d, routing):
-    from minagi.dispatch import expert_mlp
-    from minagi.expert_parallel import ep_expert_mlp
+    from minagi.moe.dispatch import expert_mlp
+    from minagi.moe.expert_parallel import ep_expert_mlp
 
     g = torch.Generator().manual_seed(0)
     P, D, H, L = 6, 8, 12, 3
@@ -161,7 +161,7 @@ def case_ep(d, routing):
 def case_ep_grads(d):
     """4 ranks, E = 2 (two groups of two): DDP's gradients, and each expert shard's (averaged over
     its data-parallel pair by reduce_grads), equal one process's on the four batches as one."""
-    from minagi.expert_parallel import ExpertParallel
+    from minagi.moe.expert_parallel import ExpertParallel
 
     cfg = ModelConfig(d_model=32, n_heads=2, d_hidden=48, max_rows=3, n_pool=6, n_slots=6, top_k=2, balance="none")
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ def case_ep_grads(d):
 def case_ep_rows(d):
     """Expert parallelism in the model with halting: ranks whose characters halt after different
     rows still meet in every row's all_to_all; logits equal one process's on both batches."""
-    from minagi.expert_parallel import ExpertParallel
+    from minagi.moe.expert_parallel import ExpertParallel
 
     cfg = ModelConfig(d_model=32, n_heads=2, d_hidden=48, max_rows=4, n_pool=6, n_slots=6, top_k=2, balance="none")
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ import os
 import signal
 import sys
 
-from minagi import trainer
-from minagi.cli import main
+from minagi.lm import trainer
+from minagi.lm.cli import main
 
 
 def sender(at: int, names: list[str]):

@@ -63,6 +63,7 @@ def test_require_with_a_built_extension_loads():
     assert r.returncode == 0 and r.stdout.strip() == "True"
 
 
+@pytest.mark.slow
 def test_doctor():
     r = subprocess.run([sys.executable, "-m", "minagi", "doctor"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -74,12 +75,13 @@ def test_doctor():
 
 def test_has_kernel_is_false_for_an_op_the_build_lacks():
     # A build from before an op was added: asked for it, the backend says no instead of raising.
-    from minagi import _backend
+    from minagi.moe import _backend
 
     assert not _backend.has_kernel("no_such_op", "cpu")
     assert _backend.has_kernel("grouped_mm", "cpu") == EXT
 
 
+@pytest.mark.slow
 def test_bench_dispatch_small(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "dispatch", "--N", "64", "--S", "8", "--K", "2",
@@ -96,14 +98,16 @@ def test_bench_dispatch_small(tmp_path):
     assert "sink routing" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_rejects_unknown_benchmark():
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "nope"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_train_small():
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "train", "--reps", "1", "--steps", "1",
                         "--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "data.context=32"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "sink" in r.stdout and "target under sink routing" in r.stdout
+    assert "sink" in r.stdout and "under sink routing" in r.stdout and "(design: >= " in r.stdout

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import checkpoint
-from minagi.data import BINS, META, DataError, load_corpus, open_prepared, prepare
+from minagi.lm import checkpoint
+from minagi.lm.data import BINS, META, DataError, load_corpus, open_prepared, prepare
 
 from conftest import run_bench
 from test_trainer import TINY, _cli, _history, _signal_at  # noqa: F401
+
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +89,7 @@ def test_eval_and_routes_take_a_prepared_folder(folder, tmp_path):
 
 def test_interrupted_prepare_never_looks_complete(folder, tmp_path):
     # SIGKILL after the first block: no corpus.json, so nothing takes the folder for a corpus.
-    script = ("import os, signal, sys; from minagi import data; data.BLOCK = 1000\n"
+    script = ("import os, signal, sys; from minagi.lm import data; data.BLOCK = 1000\n"
               "def kill(done, total):\n"
               "    if done > 5000: os.kill(os.getpid(), signal.SIGKILL)\n"
               "data.prepare(sys.argv[1], sys.argv[2], progress=kill)\n")
@@ -102,7 +105,7 @@ def test_interrupted_prepare_never_looks_complete(folder, tmp_path):
 
 
 def test_mapped_chunks_equal_in_memory_chunks_and_a_shrunk_file_is_named(folder, tmp_path):
-    from minagi.data import take
+    from minagi.lm.data import take
 
     prepare(str(folder), tmp_path / "p")
     raw, prep = load_corpus(str(folder)), open_prepared(tmp_path / "p")
@@ -197,7 +200,7 @@ def mixed(tmp_path):
 
 
 def test_a_folder_is_read_as_its_text_files(mixed):
-    from minagi.data import folder_files
+    from minagi.lm.data import folder_files
 
     files, skipped = folder_files(mixed)
     assert [f.relative_to(mixed).as_posix() for f in files] == ["a.py", "pkg/b.txt", "pkg/cut.txt"]
@@ -218,7 +221,7 @@ def test_a_binary_file_is_refused_unless_allowed(mixed, tmp_path):
     with pytest.raises(DataError, match=r"latin1.txt is not text \(not UTF-8 at offset 3 "):
         load_corpus(str(mixed / "latin1.txt"))
     assert load_corpus(str(mixed / "blob.bin"), binary=True).train.numel() > 0
-    from minagi.config import load
+    from minagi.lm.config import load
     assert load("cpu-tiny", ["data.binary=true"]).data.binary
     r = _cli("--data", str(mixed / "blob.bin"), "--out", str(tmp_path / "r"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--data-binary" in r.stderr, r.stderr
@@ -238,8 +241,8 @@ def test_an_empty_corpus_says_how_big_it_must_be(tmp_path):
 
 
 def test_a_run_says_what_its_folder_skipped(mixed, tmp_path, capsys):
-    from minagi.config import load
-    from minagi.trainer import train
+    from minagi.lm.config import load
+    from minagi.lm.trainer import train
 
     cfg = load("cpu-tiny", [*TINY, f"data.path={mixed}", "train.steps=1"])
     train(cfg, tmp_path / "run", progress=False)

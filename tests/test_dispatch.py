@@ -9,7 +9,7 @@ from minagi import PooledMLP, expert_mlp
 from minagi.bench.routings import sink_routing
 
 from cases import CASES, make
-from conftest import EXT, assert_close, requires_ext
+from conftest import EXT, assert_close, requires_ext, requires_gpu
 from oracle import expert_mlp_loop
 
 PATHS = ["grouped", "compiled"] if EXT else ["grouped"]
@@ -60,14 +60,6 @@ def test_bucket_padding_changes_nothing(path, name):
     for a, b in zip(g_b, g_e):
         assert_close(a, b, scale=4)
     assert s_e.executed_rows == s_e.routed_pairs <= s_b.executed_rows
-
-
-@pytest.mark.parametrize("path", ALL)
-def test_one_slot_top1_is_a_dense_mlp(path):
-    x = torch.randn(37, 8, dtype=torch.float64)
-    w1, w2 = torch.randn(1, 8, 16, dtype=torch.float64), torch.randn(1, 16, 8, dtype=torch.float64)
-    y = expert_mlp(x, torch.zeros(37, 1, dtype=torch.long), torch.ones(37, 1, dtype=torch.float64), w1, w2, path=path)
-    assert_close(y, F.gelu(x @ w1[0]) @ w2[0])
 
 
 def test_stats_at_the_sink():
@@ -157,15 +149,21 @@ def test_bad_options():
 
 
 def test_compiled_path_without_extension_is_an_error(monkeypatch):
-    from minagi import ops
+    from minagi.moe import ops
     monkeypatch.setattr(ops, "supports", lambda device: False)
     with pytest.raises(RuntimeError, match="path='compiled' is not available"):
         expert_mlp(**_bad(), path="compiled")
-    assert minagi.dispatch.resolve_path("auto", torch.device("cpu")) == "grouped"
+    assert minagi.moe.dispatch.resolve_path("auto", torch.device("cpu")) == "grouped"
 
 
-def test_auto_takes_compiled_when_loaded():
-    assert minagi.dispatch.resolve_path("auto", torch.device("cpu")) == ("compiled" if EXT else "grouped")
+def test_auto_takes_the_compiled_ops_where_the_device_has_them(monkeypatch):
+    from minagi.moe import ops
+    monkeypatch.setattr(ops, "supports", lambda device: device.type == "cpu")
+    assert minagi.moe.dispatch.resolve_path("auto", torch.device("cpu")) == "compiled"
+    assert minagi.moe.dispatch.resolve_path("auto", torch.device("meta")) == "grouped"
+    assert minagi.moe.dispatch.resolve_path("rectangle", torch.device("cpu")) == "rectangle"
+    with pytest.raises(ValueError, match="path must be one of"):
+        minagi.moe.dispatch.resolve_path("fast", torch.device("cpu"))
 
 
 def test_nan_router_does_not_crash_dispatch():
@@ -215,7 +213,9 @@ def test_pooled_mlp_rejects_bad_top_k():
 @requires_ext
 @pytest.mark.parametrize("name", ["sink", "uniform", "one_char", "k_eq_S"])
 @pytest.mark.parametrize("cf", [0.0, 0.5])
-def test_compiled_path_on_device_matches_rectangle(device, name, cf):
+@requires_gpu  # on the CPU, test_paths_match_rectangle[compiled-...] checks the same
+def test_compiled_path_on_the_gpu_matches_rectangle(name, cf):
+    device = torch.device("cuda")
     slot_idx, leaves = make(name, torch.float32)
     y_r, g_r, s_r = _run("rectangle", slot_idx, leaves, cf)
     moved = [t.detach().to(device) for t in leaves]
@@ -259,7 +259,7 @@ def test_decode_path_skips_the_plan(monkeypatch, path, N):
     def no_plan(*args, **kwargs):
         raise AssertionError("the decode path built a plan")
 
-    monkeypatch.setattr(minagi.dispatch, "_grouped", no_plan)
+    monkeypatch.setattr(minagi.moe.dispatch, "_grouped", no_plan)
     with torch.no_grad():
         got, stats = expert_mlp(x, slot_idx, gates, w_in, w_out, path=path, return_stats=True)
     assert_close(got, want)
@@ -274,10 +274,10 @@ def test_unfused_decode_is_a_one_row_range_per_pair(path):
     x, w_in, w_out = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
         torch.randn(4, 12, 8, dtype=torch.float64)
     gates = torch.softmax(torch.randn(4, 2, dtype=torch.float64), 1)
-    ops = minagi.ops.compiled() if path == "compiled" else minagi.ops.REFERENCE
+    ops = minagi.moe.ops.compiled() if path == "compiled" else minagi.moe.ops.REFERENCE
     with torch.no_grad():
-        form = minagi.dispatch.Form.of("gelu", 1.702, 7.0)
-        y, rows = minagi.dispatch._decode(ops, x, slot_idx, gates, w_in, w_out, form, None, None, None)
+        form = minagi.moe.dispatch.Form.of("gelu", 1.702, 7.0)
+        y, rows = minagi.moe.dispatch._decode(ops, x, slot_idx, gates, w_in, w_out, form, None, None, None)
     assert rows.tolist() == [1] * 8
     assert_close(y, expert_mlp(x, slot_idx, gates, w_in, w_out, path="rectangle"))
 
@@ -287,13 +287,13 @@ def test_decode_goes_through_one_op_where_it_can(monkeypatch):
     # On the CPU's compiled path a handful of characters without a gradient are one call
     # (decode_experts, b_out inside it); with the caller's own activation, a post, skipped ids or a
     # gradient, the unfused decode. Both agree with the rectangle.
-    if not minagi.ops.has_fused("decode_experts", torch.device("cpu")):
+    if not minagi.moe.ops.has_fused("decode_experts", torch.device("cpu")):
         pytest.skip("this build has no decode_experts kernel")
     fused, checked = [], []
-    real, real_check = minagi.dispatch._fuses_decode, minagi.dispatch._check_inputs
-    monkeypatch.setattr(minagi.dispatch, "_fuses_decode", lambda *a: fused.append(real(*a)) or fused[-1])
+    real, real_check = minagi.moe.dispatch._fuses_decode, minagi.moe.dispatch._check_inputs
+    monkeypatch.setattr(minagi.moe.dispatch, "_fuses_decode", lambda *a: fused.append(real(*a)) or fused[-1])
     # The op checks its own arguments: the one-op calls skip expert_mlp's Python checks.
-    monkeypatch.setattr(minagi.dispatch, "_check_inputs", lambda *a: checked.append(1) or real_check(*a))
+    monkeypatch.setattr(minagi.moe.dispatch, "_check_inputs", lambda *a: checked.append(1) or real_check(*a))
     g = torch.Generator().manual_seed(4)
     slot_idx = torch.tensor([[0, 1], [1, 3], [2, 1]])
     x, gates = torch.randn(3, 8, generator=g, dtype=torch.float64), torch.rand(3, 2, generator=g, dtype=torch.float64)
@@ -359,8 +359,8 @@ def test_decode_path_gives_way_where_it_would_be_wrong(monkeypatch, path):
     # Capacity can drop pairs of several characters, and a weight gradient needs each slot once:
     # those calls take the planned path, and still agree with the rectangle.
     calls = []
-    real = minagi.dispatch._grouped
-    monkeypatch.setattr(minagi.dispatch, "_grouped", lambda *a: calls.append(1) or real(*a))
+    real = minagi.moe.dispatch._grouped
+    monkeypatch.setattr(minagi.moe.dispatch, "_grouped", lambda *a: calls.append(1) or real(*a))
     slot_idx = torch.tensor([[0, 1], [0, 2], [0, 1]])
     x, w_in, w_out = torch.randn(3, 8, dtype=torch.float64), torch.randn(4, 8, 12, dtype=torch.float64), \
         torch.randn(4, 12, 8, dtype=torch.float64)

@@ -13,15 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import checkpoint, distributed
-from minagi.config import load
-from minagi.data import Batches
-from minagi.reference import GATED
+from minagi.lm import checkpoint, distributed
+from minagi.lm.config import load
+from minagi.lm.data import Batches
+from minagi.moe.reference import GATED
 
 from test_trainer import TINY, _cli, _history
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")]
 
 # Eight steps, checkpoints every four, one thread; the card smaller than the pool (6 experts, 4 on it).
 ARGS = [*sum((["--set", s] for s in TINY if not s.startswith("train.batch")), []), "--steps", "8",
@@ -110,7 +112,7 @@ def test_ddp_gradients_against_one_process(tmp_path, case):
 
 @pytest.mark.parametrize("routing", ["uniform", "sink", "empty"])
 def test_expert_parallel_dispatch_equals_one_process(tmp_path, routing):
-    """minagi.expert_parallel: 6 experts, 3 per rank, pairs sent to their expert's rank and back
+    """minagi.moe.expert_parallel: 6 experts, 3 per rank, pairs sent to their expert's rank and back
     (float64): outputs and every gradient equal one process's expert_mlp over both ranks'
     characters; "empty": rank 1's experts get no pair at all."""
     ok(torchrun(f"ep-{routing}", str(tmp_path), script="tests/dist_worker.py"))

@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
-from minagi import checkpoint, expert_mlp
-from minagi.config import load
-from minagi.run import build
-from minagi.trainer import train
+from minagi.lm import checkpoint
+
+from minagi import expert_mlp
+from minagi.lm.config import load
+from minagi.lm.run import build
+from minagi.lm.trainer import train
 
 from conftest import requires_gpu
 from test_trainer import TINY, text_file  # noqa: F401  (a fixture)
@@ -70,7 +72,7 @@ def test_model_trains_on_the_gpu(tmp_path, text_file, pool_device):  # noqa: F81
 # ---- The review's findings (issue 15): plans and routings at scale, grid limits, streams, decode.
 
 def _ops():
-    from minagi import ops
+    from minagi.moe import ops
 
     return ops.compiled(), ops.REFERENCE
 

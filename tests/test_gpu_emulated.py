@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import ops
+from minagi.moe import ops
 
 from conftest import EXT
 
@@ -70,7 +70,8 @@ def _cxx20_skip_reason() -> str:
 
 
 SKIP = _cxx20_skip_reason()
-pytestmark = pytest.mark.skipif(bool(SKIP), reason=f"GPU emulator: {SKIP}")
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(SKIP), reason=f"GPU emulator: {SKIP}")]
 
 
 @dataclasses.dataclass

@@ -8,13 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import checkpoint, step, trainer
-from minagi import run as run_
-from minagi.config import load
-from minagi.guard import Diverged, DivergenceGuard, nonfinite
-from minagi.model import ByteModel
+from minagi.lm import checkpoint, step, trainer
+from minagi.lm import run as run_
+from minagi.lm.config import load
+from minagi.lm.guard import Diverged, DivergenceGuard, nonfinite
+from minagi.lm.model import ByteModel
 
 from test_trainer import TINY, _cli, _history, _signal_at, text_file  # noqa: F401  (a fixture)
+
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +71,7 @@ def test_a_skipped_step_changes_nothing(tmp_path, text_file, nan_after):
 
 def test_divergence_stops_with_status_3_and_keeps_the_good_checkpoint(tmp_path, text_file):
     # The command line, with the model's losses turned NaN from the 6th step (test double).
-    script = ("import sys; from minagi.model import ByteModel; plain = ByteModel.forward; n = [0]\n"
+    script = ("import sys; from minagi.lm.model import ByteModel; plain = ByteModel.forward; n = [0]\n"
               "def fwd(self, idx, targets=None, admitted=None):\n"
               "    out = plain(self, idx, targets, admitted)\n"
               "    if targets is not None:\n"
@@ -76,7 +79,7 @@ def test_divergence_stops_with_status_3_and_keeps_the_good_checkpoint(tmp_path, 
               "        if n[0] >= 6: out.loss = out.loss * float('nan')\n"
               "    return out\n"
               "ByteModel.forward = fwd\n"
-              "from minagi.cli import main; sys.exit(main(sys.argv[1:]))\n")
+              "from minagi.lm.cli import main; sys.exit(main(sys.argv[1:]))\n")
     r = subprocess.run([sys.executable, "-c", script, "--quiet", *_args(text_file, steps=40),
                         "--set", "train.max_bad_steps=4", "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)

@@ -17,22 +17,28 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "minagi"
 
 # Top to bottom. A module may import modules of its own layer or of layers below it, never above.
-# A module that is not listed fails the test: place it where it belongs.
+# A module that is not listed fails the test: place it where it belongs. The application
+# (minagi.lm) sits above the library (minagi.moe); minagi itself is the front of both.
 LAYERS = [
     ("entry points", {"minagi.__main__", "minagi.bench", "minagi.bench.*"}),
-    ("command line", {"minagi.cli"}),
-    ("commands and training", {"minagi.trainer", "minagi.step", "minagi.progress", "minagi.run", "minagi.history",
-                               "minagi.writer", "minagi.routes", "minagi.evaluate", "minagi.plot", "minagi.checkpoint",
-                               "minagi.allocator", "minagi.cores"}),
-    ("model", {"minagi.model", "minagi.optim"}),
-    ("library front ends", {"minagi", "minagi.hf"}),
-    ("pool", {"minagi.pool", "minagi.expert_parallel"}),
-    ("dispatch", {"minagi.dispatch"}),
-    ("ops", {"minagi.ops", "minagi.reference", "minagi._backend"}),
-    # Leaves: names and helpers every layer may use; they import only each other.
-    ("shared leaves", {"minagi.config", "minagi.balance", "minagi.data", "minagi.guard", "minagi.distributed",
-                       "minagi.memory", "minagi.prog"}),
+    ("front", {"minagi"}),
+    ("command line", {"minagi.lm.cli"}),
+    ("commands and training", {"minagi.lm.trainer", "minagi.lm.step", "minagi.lm.progress", "minagi.lm.run",
+                               "minagi.lm.history", "minagi.lm.writer", "minagi.lm.routes", "minagi.lm.evaluate",
+                               "minagi.lm.plot", "minagi.lm.checkpoint", "minagi.lm.allocator",
+                               "minagi.lm.cores"}),
+    ("model", {"minagi.lm.model", "minagi.lm.optim"}),
+    ("pool", {"minagi.lm.pool"}),
+    # Leaves of the application: names and helpers its layers share; they import only each other.
+    ("application leaves", {"minagi.lm", "minagi.lm.config", "minagi.lm.balance", "minagi.lm.data",
+                            "minagi.lm.guard", "minagi.lm.distributed", "minagi.lm.memory", "minagi.lm.prog"}),
+    # The library: imports nothing above this line.
+    ("library front ends", {"minagi.moe", "minagi.moe.hf", "minagi.moe.expert_parallel"}),
+    ("dispatch", {"minagi.moe.dispatch"}),
+    ("ops", {"minagi.moe.ops", "minagi.moe.reference", "minagi.moe._backend", "minagi.moe.quant"}),
 ]
+LIBRARY = "minagi.moe"
+APPLICATION = "minagi.lm"
 
 
 def module_name(path: Path) -> str:
@@ -136,10 +142,10 @@ def test_imports_point_down():
     assert not upward, "imports that point up:\n" + "\n".join(upward)
 
 
-@pytest.mark.parametrize("low, high", [("minagi.pool", "minagi.checkpoint"), ("minagi.expert_parallel", "minagi.checkpoint"),
-                                       ("minagi.checkpoint", "minagi.cli"), ("minagi.routes", "minagi.cli"),
-                                       ("minagi.ops", "minagi.dispatch"), ("minagi.dispatch", "minagi.pool"),
-                                       ("minagi.pool", "minagi.model"), ("minagi.model", "minagi.trainer")])
+@pytest.mark.parametrize("low, high", [("minagi.lm.pool", "minagi.lm.checkpoint"), ("minagi.moe.expert_parallel", "minagi.lm.checkpoint"),
+                                       ("minagi.lm.checkpoint", "minagi.lm.cli"), ("minagi.lm.routes", "minagi.lm.cli"),
+                                       ("minagi.moe.ops", "minagi.moe.dispatch"), ("minagi.moe.dispatch", "minagi.lm.pool"),
+                                       ("minagi.lm.pool", "minagi.lm.model"), ("minagi.lm.model", "minagi.lm.trainer")])
 def test_a_lower_module_never_reaches_a_higher_one(low, high):
     g, seen, todo = graph(), set(), [low]
     while todo:
@@ -149,8 +155,27 @@ def test_a_lower_module_never_reaches_a_higher_one(low, high):
     assert high not in seen
 
 
+def test_the_library_imports_nothing_from_the_application():
+    g = graph()
+    library = {m for m in g if m == LIBRARY or m.startswith(LIBRARY + ".")}
+    assert library, "no library modules found"
+    wrong = [f"{m} imports {d}" for m in sorted(library) for d in sorted(g[m])
+             if d == APPLICATION or d.startswith(APPLICATION + ".") or d == "minagi.bench" or d.startswith("minagi.bench.")]
+    assert not wrong, "the library (minagi.moe) must not import the application or the bench:\n" + "\n".join(wrong)
+
+
+def test_the_front_loads_the_application_only_when_asked():
+    import subprocess
+
+    code = ("import sys, minagi, minagi.hf, minagi.quant; assert minagi.hf is sys.modules['minagi.moe.hf']; assert minagi.quant is sys.modules['minagi.moe.quant']; "
+            "assert not [m for m in sys.modules if m.startswith('minagi.lm')], sorted(sys.modules); "
+            "minagi.PooledMLP; assert 'minagi.lm.pool' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_trainer_functions_are_short():
-    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    tree = ast.parse((PACKAGE / "lm" / "trainer.py").read_text())
     long = [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
     assert not long, long

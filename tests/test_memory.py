@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import allocator
+from minagi.lm import allocator
 from minagi.bench import soak
-from minagi.config import ModelConfig
-from minagi.dispatch import expert_mlp
-from minagi.model import ByteModel
-from minagi.reference import bucket
+from minagi.lm.config import ModelConfig
+from minagi.moe.dispatch import expert_mlp
+from minagi.lm.model import ByteModel
+from minagi.moe.reference import bucket
 
 from conftest import BENCH_TINY, EXT, assert_close, run_bench
+
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ["rectangle", "grouped"] + (["compiled"] if EXT else [])
@@ -201,7 +204,7 @@ _REFAULTS = """
 import ctypes, json, resource, sys
 ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 import torch
-from minagi import allocator
+from minagi.lm import allocator
 if sys.argv[1] == "keep" and not (allocator.keep_freed_memory() and allocator.keeping()):
     sys.exit("keep_freed_memory() did not take effect")
 first = torch.empty(24 << 20)

@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minagi.config import ModelConfig
-from minagi.model import ByteModel
-from minagi.optim import PoolAdamW
+from minagi.lm.config import ModelConfig
+from minagi.lm.model import ByteModel
+from minagi.lm.optim import PoolAdamW
 
 from conftest import EXT, assert_close
 
@@ -135,7 +135,7 @@ def test_fused_update_equals_the_foreach_update():
 
 
 def test_ngram_codes_name_the_last_bytes():
-    from minagi.model import NO_BYTE, ngram_codes
+    from minagi.lm.model import NO_BYTE, ngram_codes
     idx = torch.tensor([[5, 6, 7]])
     prev = torch.tensor([[NO_BYTE, 4]])
     base = 257
@@ -175,8 +175,8 @@ def test_context_too_long_is_an_error():
 
 
 def test_load_balance_term_sees_the_routing():
-    from minagi.balance import BalanceInputs, LoadBalance
-    from minagi.pool import RowRoute
+    from minagi.lm.balance import BalanceInputs, LoadBalance
+    from minagi.lm.pool import RowRoute
     term = LoadBalance()
     S, N = 8, 64
     uniform = torch.zeros(N, S, requires_grad=True)
@@ -226,7 +226,7 @@ def test_trains_under_bfloat16_autocast(path, balance):
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_gates_all_are_the_whole_cards_softmax_and_teach_the_router(top_k):
-    from minagi.pool import PooledMLP
+    from minagi.lm.pool import PooledMLP
 
     torch.manual_seed(0)
     chosen = PooledMLP(16, 24, 6, top_k).double()
@@ -258,7 +258,7 @@ def test_gates_all_with_one_slot_is_the_dense_mlp():
 
 
 def test_gates_setting_is_checked():
-    from minagi.config import ConfigError, load
+    from minagi.lm.config import ConfigError, load
 
     with pytest.raises(ConfigError, match="model.gates must be chosen or all"):
         load("cpu-tiny", ["model.gates=some"])

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import ops, reference
+from minagi.moe import ops, reference
 from minagi.bench.routings import sink_routing
 
 from cases import CASES, make
@@ -799,25 +799,23 @@ def test_wgrad_slot_ids_unique_and_in_range_as_the_gpu_kernel_checks_them():
 
 
 def test_one_gpu_slot_limit_in_the_kernels_and_before_a_run():
-    from pathlib import Path
+    from minagi.lm import run as run_
+    from minagi.lm.config import ConfigError
 
-    from minagi.config import ConfigError
-
-    header = (Path(__file__).resolve().parent.parent / "csrc" / "common.h").read_text()
-    assert f"constexpr int64_t kMaxGpuSlots = {ops.GPU_MAX_SLOTS};" in header
     with pytest.raises(ConfigError, match="model.n_slots = 2049: the GPU kernels take at most 2048 card slots"):
-        ops.check_card_fits(2049, torch.device("cuda"), gpu_kernels=True)
-    ops.check_card_fits(2048, torch.device("cuda"), gpu_kernels=True)
-    ops.check_card_fits(5000, torch.device("cpu"), gpu_kernels=True)  # the CPU kernels have no limit
-    ops.check_card_fits(5000, torch.device("cuda"), gpu_kernels=False)  # no GPU kernels: the twins route
+        run_.check_card_fits(2049, torch.device("cuda"), gpu_kernels=True)
+    run_.check_card_fits(2048, torch.device("cuda"), gpu_kernels=True)
+    run_.check_card_fits(5000, torch.device("cpu"), gpu_kernels=True)  # the CPU kernels have no limit
+    run_.check_card_fits(5000, torch.device("cuda"), gpu_kernels=False)  # no GPU kernels: the twins route
 
 
+@pytest.mark.slow
 @requires_ext
 def test_debug_checks_range_check_indices_on_the_host_first():
     import subprocess
     import sys
 
-    code = ("import torch, minagi; from minagi import ops; c = ops.compiled()\n"
+    code = ("import torch, minagi; from minagi.moe import ops; c = ops.compiled()\n"
             "dest = torch.tensor([[0, 1], [2, 7]]); row_pair = torch.tensor([0, 1, 2, -1])\n"
             "c.weighted_scatter(torch.randn(4, 3), dest, row_pair, None)\n")
     for switch, says in (("1", "dest holds 7 at flat position 3, outside [-1, 4) (found by MINAGI_DEBUG_CHECKS=1"),
@@ -828,6 +826,7 @@ def test_debug_checks_range_check_indices_on_the_host_first():
         assert ("MINAGI_DEBUG_CHECKS" in r.stderr) == (switch == "1")
 
 
+@pytest.mark.slow
 @requires_ext
 def test_portable_cpu_loops_where_avx512_is_switched_off():
     # A CPU without AVX-512 takes the portable loops and ATen where this one runs hand-written
@@ -851,7 +850,7 @@ def test_portable_cpu_loops_where_avx512_is_switched_off():
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu_oai", "relu2"])
 def test_bucketed_activation_equals_the_form_in_a_bucketed_allocation_that_is_no_view(activation):
-    from minagi.dispatch import BucketedAct, Form
+    from minagi.moe.dispatch import BucketedAct, Form
 
     form = Form(activation)
     width = 14 if activation == "swiglu_oai" else 7
@@ -872,9 +871,11 @@ def test_bucketed_activation_equals_the_form_in_a_bucketed_allocation_that_is_no
 
 
 def test_python_reads_the_sizes_cpp_defines():
-    from minagi import dispatch
+    from minagi.moe import dispatch
 
-    assert ops.constant("small_rows", -1) == dispatch.DECODE_MAX_CHARS == 4
-    assert ops.constant("gpu_max_slots", -1) == ops.GPU_MAX_SLOTS == 2048
+    # The twins' values (used where the extension is not loaded) are the built extension's.
+    for name, fallback in ops.FALLBACK_CONSTANTS.items():
+        assert int(torch.ops.minagi.constant(name)) == fallback, name
+    assert (dispatch.DECODE_MAX_CHARS, ops.GPU_MAX_SLOTS) == (ops.constant("small_rows"), ops.constant("gpu_max_slots"))
     with pytest.raises(ValueError, match="the names are"):
         torch.ops.minagi.constant("nope")

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minagi import expert_mlp
-from minagi.reference import ACTIVATIONS, GATED
+from minagi.moe.reference import ACTIVATIONS, GATED
 
 from cases import random_routing
 from conftest import assert_close, requires_ext

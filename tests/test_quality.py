@@ -9,9 +9,12 @@ import torch
 
 from minagi.bench.quality import (DEFAULT_MODELS, MODELS, DenseGPT, dense_macs, dense_twin, minagi_macs, models,
                                   n_params, tables_twin, wide_twin)
-from minagi.config import load
-from minagi.model import ByteModel
-from minagi.reference import GATED
+from minagi.lm.config import load
+from minagi.lm.model import ByteModel
+from minagi.moe.reference import GATED
+
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.d_hidden=48"]
@@ -113,7 +116,7 @@ def test_bench_quality_models_seconds_and_data(tmp_path):
     assert list(data["results"]) == ["dense-ngram", "minagi-dense", "minagi"]  # in the bench's order
     assert data["seconds"] == 3 and str(corpus) in data["data"]
     for v in data["results"].values():
-        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 1 and 3 <= v["seconds"] < 60
+        assert 0 < v["heldout_bits_per_byte"] < 9 and v["steps"] >= 1 and v["seconds"] >= 3
         assert v["macs_per_char"] > 0
     assert set(data["gaps"]) == {"dense-ngram", "minagi-dense"}
     assert "bits per byte" in r.stdout and "minagi ahead by" in r.stdout
@@ -127,7 +130,7 @@ def test_bench_quality_equal_steps(tmp_path):
     assert data["steps"] == 3 and data["seconds"] is None
     assert [v["steps"] for v in data["results"].values()] == [3, 3]
     assert set(data["gaps"]) == {"minagi-wide"} and "3 steps each" in r.stdout
-    assert "target" not in r.stdout.split("held-out bits per byte on")[1]  # targets are for equal wall-clock
+    assert "design:" not in r.stdout.split("held-out bits per byte on")[1]  # targets are for equal wall-clock
 
 
 def test_bench_quality_rejects_unknown_models():
@@ -135,8 +138,8 @@ def test_bench_quality_rejects_unknown_models():
     assert r.returncode != 0 and "unknown gpt4" in r.stderr and "minagi-dense" in r.stderr
 
 
-def test_labels_say_bits_per_byte(tmp_path, capsys):
-    from minagi.trainer import train
+def test_labels_say_bits_per_byte(tmp_path, capsys, monkeypatch):
+    from minagi.lm.trainer import train
 
     cfg = load("cpu-tiny", ["train.steps=2", "train.eval_every=2", "train.eval_chunks=2", "train.checkpoint_every=2",
                             "model.d_model=32", "model.n_heads=2", "model.d_hidden=48", "data.context=32"])
@@ -147,11 +150,16 @@ def test_labels_say_bits_per_byte(tmp_path, capsys):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "bits per byte" in r.stderr and float(r.stdout.strip().splitlines()[-1]) > 0
     pytest.importorskip("matplotlib")
-    from minagi import plot
+    from minagi.lm import plot
 
-    titles = [c for c in plot.plot_history.__code__.co_consts if isinstance(c, str) and "bits per" in c]
-    assert titles and all("bits per byte" in t for t in titles)
+    import matplotlib.figure
+
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
     assert plot.plot_history(tmp_path / "run").exists()
+    labels = [t for ax in drawn[0].axes for t in (ax.get_title(), ax.get_ylabel()) if "bits per" in t]
+    assert labels and all("bits per byte" in t for t in labels)  # the byte model's words, not "per character"
 
 
 def test_docs_corpus_tool(tmp_path):
@@ -213,11 +221,11 @@ def test_bench_quality_interleaved_seeds_and_own_budgets(tmp_path):
     for label, budget in (("minagi-dense@3", 3), ("minagi", 2)):
         v = data["results"][label]
         assert [run["seed"] for run in v["runs"]] == [0, 1] and v["seconds_budget"] == budget
-        assert all(budget <= run["seconds"] < budget + 5 for run in v["runs"])
+        assert all(run["seconds"] >= budget for run in v["runs"])
         bpbs = [run["heldout_bits_per_byte"] for run in v["runs"]]
         assert v["half_range"] == pytest.approx((max(bpbs) - min(bpbs)) / 2)
     assert "interleaved in 1 s blocks" in r.stdout and "+-" in r.stdout and "seed 1" in r.stdout
-    assert "target" not in r.stdout.split("held-out bits per byte on")[1]  # not at equal time: not judged
+    assert "design:" not in r.stdout.split("held-out bits per byte on")[1]  # not at equal time: not judged
 
 
 def test_bench_quality_variants_are_minagi_models_with_more_settings(tmp_path):

@@ -11,14 +11,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minagi import checkpoint, dispatch, history, trainer
-from minagi.balance import BalanceInputs, BiasBalance
-from minagi.config import load
-from minagi.dispatch import DispatchStats, dispatch_stats
-from minagi.pool import PooledMLP, RowRoute
+from minagi.lm import checkpoint, history, trainer
+
+from minagi.moe import dispatch
+from minagi.lm.balance import BalanceInputs, BiasBalance
+from minagi.lm.config import load
+from minagi.moe.dispatch import DispatchStats, dispatch_stats
+from minagi.lm.pool import PooledMLP, RowRoute
 
 from conftest import assert_close
 from test_trainer import TINY, _cli, _history, _signal_at, text_file  # noqa: F401  (a fixture)
+
+# The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from minagi import ops
-from minagi.config import load
-from minagi.evaluate import bits_per_byte
-from minagi.model import ByteModel
-from minagi.trainer import train
-from minagi.writer import NO_REPEAT_NGRAM, banned_bytes, load_model, prepare_prompt, write
+from minagi.moe import ops
+from minagi.lm.config import load
+from minagi.lm.evaluate import bits_per_byte
+from minagi.lm.model import ByteModel
+from minagi.lm.trainer import train
+from minagi.lm.writer import NO_REPEAT_NGRAM, banned_bytes, load_model, prepare_prompt, write
 
 from conftest import assert_close
 from test_model import small
@@ -177,6 +177,7 @@ def test_write_command(run_dir):
     assert r.stdout.startswith("import ") and "char/s" in r.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [["write"], ["eval", "--data", "README.md"]])
 def test_missing_or_corrupt_checkpoint(tmp_path, cmd):
     args = [sys.executable, str(ROOT / "train.py"), cmd[0], str(tmp_path), *cmd[1:]]
@@ -203,6 +204,7 @@ def test_eval_matches_a_direct_computation():
     assert math.isclose(got, total / 70 / math.log(2), rel_tol=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_command(run_dir, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("def f(x):\n    return x\n" * 10)
@@ -215,6 +217,7 @@ def test_eval_command(run_dir, tmp_path):
     assert r.returncode == 2 and "no such file or folder" in r.stderr
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(run_dir):
     pytest.importorskip("matplotlib", reason="matplotlib not installed: the plot is an optional extra")
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "plot", str(run_dir)], capture_output=True,
@@ -224,7 +227,7 @@ def test_plot_writes_a_png(run_dir):
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(run_dir, monkeypatch, capsys):
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it fails
     assert main(["plot", str(run_dir)]) == 2
@@ -244,9 +247,9 @@ def text_run(tmp_path_factory):
 
 
 def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
-    from minagi.cli import main
-    from minagi.data import run_corpus
-    from minagi.evaluate import scored_bytes
+    from minagi.lm.cli import main
+    from minagi.lm.data import run_corpus
+    from minagi.lm.evaluate import scored_bytes
 
     model, cfg = load_model(text_run)
     data, what, note = scored_bytes(cfg)
@@ -259,7 +262,7 @@ def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
 
 
 def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_path, capsys):
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     (tmp_path / "__pycache__").mkdir()
     (tmp_path / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00" * 100)
@@ -274,7 +277,7 @@ def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_
 def test_a_file_that_is_not_a_checkpoint_is_one_line(text_run, tmp_path, capsys):
     import argparse
 
-    from minagi.cli import main
+    from minagi.lm.cli import main
 
     torch.save(argparse.Namespace(steps=1), tmp_path / "other.pt")  # unpickling it is refused
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
@@ -285,8 +288,39 @@ def test_a_file_that_is_not_a_checkpoint_is_one_line(text_run, tmp_path, capsys)
         assert err.count("\n") == 1 and why in err and "give the folder of a minagi run" in err, err
 
 
+@pytest.mark.slow
 def test_bench_write_command(run_dir):
     r = subprocess.run([sys.executable, "-m", "minagi.bench", "write", str(run_dir), "--chars", "5", "--reps", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "writing: char/s" in r.stdout and "target under sink routing" in r.stdout
+    assert "writing: char/s" in r.stdout and "under sink routing" in r.stdout
+
+
+def test_quantized_experts_write_and_score_as_the_dequantized_pool():
+    # --quantize: the pool's experts as minagi.moe.quant weights; the model then computes what the
+    # same model with those weights dequantized computes (the oracle), and writes the same bytes.
+    # A card smaller than the pool takes its experts out of the quantized pool (index_select).
+    from minagi.lm.writer import quantize_experts
+
+    data = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 8))
+    for spec, n_slots in (("int8", 6), ("int4", 4)):
+        torch.manual_seed(0)
+        q = ByteModel(small(d_model=32, d_hidden=64, n_slots=n_slots), context=24).eval()
+        deq = ByteModel(small(d_model=32, d_hidden=64, n_slots=n_slots), context=24).eval()
+        deq.load_state_dict(q.state_dict())
+        assert f"experts in {spec}" in quantize_experts(q, spec)
+        with torch.no_grad():
+            deq.pool.w_in.copy_(q.pool.w_in.dequantize())
+            deq.pool.w_out.copy_(q.pool.w_out.dequantize())
+        assert abs(bits_per_byte(q, data, 24) - bits_per_byte(deq, data, 24)) < 1e-4
+        assert write(q, b"def ", 40, temperature=0.0).text == write(deq, b"def ", 40, temperature=0.0).text
+    with pytest.raises(ValueError, match="not a multiple of the int4 group of 32; use --quantize int8"):
+        quantize_experts(ByteModel(small(d_hidden=40), context=24), "int4")
+
+
+def test_eval_quantize_reports_the_float_figure_beside(run_dir, capsys):
+    from minagi.lm.cli import main
+
+    assert main(["eval", str(run_dir), "--data", str(ROOT / "README.md"), "--quantize", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert "float " in err and ", int8 " in err and float(out.strip().splitlines()[-1]) > 0

@@ -7,7 +7,7 @@ Columns (shared with tools/gpu_mem_sampler.ps1): time_utc, elapsed_s, pid, rss_b
 gpu_dedicated_bytes, gpu_shared_bytes, device_allocated_bytes, device_reserved_bytes. Resident
 memory is always there (Linux /proc; Windows and macOS through psutil); GPU memory held by the
 PID where the driver says (NVIDIA with pynvml); the caching allocator's allocated / reserved
-bytes only from inside the process: use minagi.memory.MemSampler there. On Windows,
+bytes only from inside the process: use minagi.lm.memory.MemSampler there. On Windows,
 tools/gpu_mem_sampler.ps1 adds dedicated and shared GPU memory from the performance counters.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--count", type=int, default=None, help="stop after this many samples")
     a = p.parse_args(argv)
     try:
-        from minagi.memory import MemSampler, pid_alive
+        from minagi.lm.memory import MemSampler, pid_alive
     except ImportError:
         print("mem_sampler: minagi is not importable; install it first (pip install --no-build-isolation -e .)",
               file=sys.stderr)

@@ -35,7 +35,9 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from minagi import allocator, hf
+    from minagi.lm import allocator
+
+    from minagi import hf
     from minagi.bench import hf as bench
 
     allocator.ensure()

@@ -116,9 +116,9 @@ void interleaved_bwd_bf16(const at::BFloat16* grad, const at::BFloat16* h, at::B
 
 // SwiGLU's own loops, both forms, gate and up `s` apart element to element (1: h's halves, 2:
 // interleaved). Forward: out = silu(gate) * up. Backward: d up = grad * silu(gate), d gate = grad *
-// up * silu'(gate). ATen's silu, mul and silu_backward on the forms' views took 3.3 ns an output in
-// the backward, and 2-3x this loop's time in the interleaved forward (tools/activation_probe.py);
-// in the halves forward they were as fast, but as two ATen calls and four views a slot's part.
+// up * silu'(gate). ATen's silu, mul and silu_backward on the forms' views were slower in the
+// backward and in the interleaved forward (docs/log/2026-12-05-swiglu-loops.md); in the halves
+// forward they were as fast, but as two ATen calls and four views a slot's part.
 template <typename acc_t, int s>
 MINAGI_SIMD_CLONES void swiglu_fwd_row(const acc_t* __restrict gate, const acc_t* __restrict up,
                                        acc_t* __restrict o, int64_t W) {

@@ -8,9 +8,9 @@
 // mapping, rounded up to whole 2 MiB pages and advised onto huge pages, and when freed it waits,
 // still faulted in, for the next request of its size (up to 25% larger), within a cap on idle
 // bytes. Smaller requests go to the allocator this one replaced. Huge pages for the 1-4 MiB
-// blocks too: without them transformers' grouped_mm, which makes many such tensors a step, ran
-// a DeepSeek-V3-like training step in 290 ms instead of 236 (tools/keep_memory_soak.py); the
-// price is up to 2x the memory of a tensor just over 1 MiB.
+// blocks too: without them transformers' grouped_mm, which makes many such tensors a step, runs
+// a training step visibly slower (docs/log/2026-12-05-keeping-freed-memory.md); the price is up
+// to 2x the memory of a tensor just over 1 MiB.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>

@@ -1,8 +1,8 @@
 // One slot's float32 GEMM on AVX-512 FMAs, without a call into ATen. ATen's mm goes to MKL's sgemm,
-// which reached 57-86 GFLOP/s a core at the slots' shapes (32-128 rows over an inner size of 512),
-// and its torch.bmm over all experts no more (tools/bf16_gemm_probe.py). The same products from a
-// column block packed in the thread's cache, 8 rows at a time, run at 75-99: the packing is one
-// pass over 32 columns, and a block's next one is prefetched while it is used.
+// which is slower at the slots' small shapes (32-128 rows), and torch.bmm over all experts no
+// faster. Here the products come from a column block packed in the thread's cache, 8 rows at a
+// time: the packing is one pass over 32 columns, and a block's next one is prefetched while it is
+// used (figures: docs/log/2026-12-05-float32-gemm-kernel.md).
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
 // attribute, and callers ask avx512_available() (CPUID, once) before calling them.

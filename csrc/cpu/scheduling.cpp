@@ -16,12 +16,7 @@ std::atomic<int64_t> g_fused_tile_bytes{int64_t{1} << 20};
 std::vector<int64_t> range_starts(const at::Tensor& slot_ids, const at::Tensor& slot_rows,
                                   int64_t E, int64_t n_slots, const char* op, bool unique,
                                   const char* rows_of) {
-  check_dim(slot_ids, 1, op, "slot_ids");
-  check_dim(slot_rows, 1, op, "slot_rows");
-  check_index(slot_ids, op, "slot_ids");
-  check_index(slot_rows, op, "slot_rows");
-  TORCH_CHECK(slot_ids.size(0) == slot_rows.size(0), "minagi.", op, ": slot_ids (", slot_ids.size(0),
-              ") and slot_rows (", slot_rows.size(0), ") must have one length");
+  check_ranges_args(slot_ids, slot_rows, op);
   TORCH_CHECK(slot_ids.device().is_cpu() && slot_rows.device().is_cpu(), "minagi.", op,
               ": slot_ids and slot_rows must be on the CPU with the other inputs");
   const at::Tensor ids = slot_ids.contiguous(), rows = slot_rows.contiguous();

@@ -1,10 +1,10 @@
 // A few rows (1-4) times one slot's weights on AVX-512: the products of writing a handful of
 // characters, where reading the weights once is the whole cost. The portable loops in
 // slot_gemm.h (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
-// each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time:
-// 11-40 GB/s in bfloat16, where float32's loop streams one row's weights at 50
-// (tools/few_rows_probe.py, 2 threads). Here each weight vector is loaded once and used for every
-// row, and bfloat16 goes through vdpbf16ps (pairs of values, no widening): 30-54 GB/s.
+// each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time,
+// well under float32's streaming speed. Here each weight vector is loaded once and used for every
+// row, and bfloat16 goes through vdpbf16ps (pairs of values, no widening)
+// (figures: docs/log/2026-12-05-decode-few-row-kernels.md).
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
 // attribute, and callers ask avx512_available() or bf16_dot_available() (CPUID, once) first.
@@ -38,10 +38,8 @@ constexpr int kMaxRows = 4;
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
 // A weight vector as two 256-bit loads joined in a register. Streamed from past the L2 (the L3 or
-// memory), whole 512-bit loads read 12-25% slower on this Zen 4 (2 threads, a [K = 1,024]-column
-// slot: 36-42 GB/s from 48 MiB, where a plain sum reads 44-48 and the halves 44-50; 23-24 from
-// memory against 27-28); from the L2 and L3 the halves are as fast. x, read from L1, keeps its
-// 512-bit loads.
+// memory), whole 512-bit loads read slower on Zen 4; from the L2 and L3 the halves are as fast
+// (figures: docs/log/2026-12-06-weights-in-halves.md). x, read from L1, keeps its 512-bit loads.
 MINAGI_AVX512_TARGET inline __m512 load_halves_ps(const float* p) {
   const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p)));
   return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(p + 8)), 1));
@@ -49,7 +47,7 @@ MINAGI_AVX512_TARGET inline __m512 load_halves_ps(const float* p) {
 
 // Independent sums a row in the column kernels (8 for one row, 4 a row for more: 8-16 in all),
 // enough to hide the FMA latency. One column is taken after another, so the slot is read as one
-// sequential stream (4 columns at once, 4 streams of 4 KiB each, ran 30% slower at one row).
+// sequential stream (4 columns at once, 4 streams of 4 KiB each, ran slower at one row).
 template <int R>
 constexpr int kChains = R == 1 ? 8 : 4;
 
@@ -216,9 +214,8 @@ MINAGI_BF16_TARGET inline void bf16(const uint16_t* a, int64_t lda, const uint16
 // out[nr, M] (rows ldo apart) = a[nr, K] (rows lda apart) x b, b[k, m] at b + k * sk + m * sn with
 // sk == 1 or sn == 1, where these kernels take it (nr in [1, kMaxRows]): bfloat16 in both layouts
 // and float32 column-major, on CPUs with the instructions (CPUID, checked once). A row-major
-// float32 slot is left to the portable loops, which stream it as fast (0.9-1.0x the time here).
-// One float32 row of a column-major slot was left to them too, as fast from memory; from the
-// cache (a 16 MiB slot read again, 2 threads) they read 54-57 GB/s where f32<1> reads 72-133.
+// float32 slot is left to the portable loops, which stream it as fast. One float32 row of a
+// column-major slot runs here: as fast as the portable loop from memory, faster from the cache.
 // Returns whether it ran.
 template <typename scalar_t>
 bool run(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out, int64_t ldo,

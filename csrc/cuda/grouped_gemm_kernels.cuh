@@ -79,6 +79,20 @@ __global__ void group_offsets_kernel(const int64_t* __restrict__ slot_rows, int6
   if (hi == A && lo < hi) CUDA_KERNEL_ASSERT(row0 <= E && "minagi.grouped_mm: slot_rows sums past a's rows");
 }
 
+// acc[i][j] += sum over k < kTileK of a_sh[k][ty + 16 i] * b_sh[k][tx + 16 j]: a thread's 4 x 4
+// outputs of a 64 x 64 tile, both operands staged k-major in shared memory (pitch one past the
+// tile's width, against bank conflicts).
+template <typename acc_t>
+__device__ inline void tile_fma(acc_t (&acc)[4][4], const acc_t* a_sh, const acc_t* b_sh, int ty, int tx) {
+  for (int k = 0; k < kTileK; ++k) {
+    acc_t av[4], bv[4];
+    for (int i = 0; i < 4; ++i) av[i] = a_sh[k * (kTileM + 1) + ty + 16 * i];
+    for (int j = 0; j < 4; ++j) bv[j] = b_sh[k * (kTileN + 1) + tx + 16 * j];
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+  }
+}
+
 // Loads a kTileK x cols tile of one slot's weights w (strides s1 along k, s2 along columns) into
 // sh[k * pitch + n], zeros past K and M. The threads walk b's unit-stride dimension fastest.
 template <typename scalar_t, typename sh_t>
@@ -110,13 +124,7 @@ __device__ inline void gemm_tile(const scalar_t* __restrict__ a, const scalar_t*
     }
     load_w_tile(w, s1, s2, k0, n0, K, M, kTileK, kTileN, kTileN + 1, w_sh);
     __syncthreads();
-    for (int k = 0; k < kTileK; ++k) {
-      acc_t av[4], wv[4];
-      for (int i = 0; i < 4; ++i) av[i] = a_sh[k * (kTileM + 1) + ty + 16 * i];
-      for (int j = 0; j < 4; ++j) wv[j] = w_sh[k * (kTileN + 1) + tx + 16 * j];
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * wv[j];
-    }
+    tile_fma(acc, a_sh, w_sh, ty, tx);
   }
   for (int i = 0; i < 4; ++i) {
     const int64_t r = r0 + ty + 16 * i;
@@ -244,13 +252,7 @@ __global__ void wgrad_kernel(const scalar_t* __restrict__ a, const scalar_t* __r
         g_sh[r * (kTileN + 1) + n] = in ? static_cast<acc_t>(grad[(r0 + r) * M + n0 + n]) : acc_t(0);
       }
       __syncthreads();
-      for (int r = 0; r < kTileK; ++r) {
-        acc_t av[4], gv[4];
-        for (int p = 0; p < 4; ++p) av[p] = a_sh[r * (kTileM + 1) + ty + 16 * p];
-        for (int q = 0; q < 4; ++q) gv[q] = g_sh[r * (kTileN + 1) + tx + 16 * q];
-        for (int p = 0; p < 4; ++p)
-          for (int q = 0; q < 4; ++q) acc[p][q] += av[p] * gv[q];
-      }
+      tile_fma(acc, a_sh, g_sh, ty, tx);
     }
     scalar_t* o = out + slot * K * M;
     for (int p = 0; p < 4; ++p) {

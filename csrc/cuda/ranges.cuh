@@ -19,12 +19,7 @@ struct Ranges {
 // slot_rows' values (>= 0, summing to at most E) are checked by device asserts in the kernel.
 inline Ranges device_ranges(const at::Tensor& slot_ids, const at::Tensor& slot_rows, int64_t E,
                             const at::Device& device, const char* op, bool with_offs32) {
-  check_dim(slot_ids, 1, op, "slot_ids");
-  check_dim(slot_rows, 1, op, "slot_rows");
-  check_index(slot_ids, op, "slot_ids");
-  check_index(slot_rows, op, "slot_rows");
-  TORCH_CHECK(slot_ids.size(0) == slot_rows.size(0), "minagi.", op, ": slot_ids (", slot_ids.size(0),
-              ") and slot_rows (", slot_rows.size(0), ") must have one length");
+  check_ranges_args(slot_ids, slot_rows, op);
   const int64_t A = slot_ids.size(0);
   const auto lopt = at::TensorOptions().dtype(at::kLong).device(device);
   Ranges r{slot_ids.to(device).contiguous(), at::empty({A}, lopt), at::empty({A}, lopt), at::Tensor()};

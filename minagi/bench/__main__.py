@@ -5,8 +5,8 @@ import argparse
 import importlib
 import sys
 
-from .. import allocator
-from ..prog import BENCHES, ListHelpFormatter, bench_list
+from ..lm import allocator
+from ..lm.prog import BENCHES, ListHelpFormatter, bench_list
 
 
 def entry(name: str):

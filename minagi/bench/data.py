@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..prog import ListHelpFormatter
-from ..memory import peak_resident_bytes
+from ..lm.memory import peak_resident_bytes
+from ..lm.prog import ListHelpFormatter
 
 TARGETS = {"prepare_peak_mb": 300, "prepare_mb_per_s": 100, "rss_over_default_mb": 150, "char_per_s_loss": 0.05,
            "startup_over_default_s": 2.0}
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
 def synthesize(folder: Path, nbytes: int, log) -> int:
     """Files of the standard library's source, repeated (each copy under its own name, so the
     hash split holds some out), until nbytes are written."""
-    from ..data import stdlib_files
+    from ..lm.data import stdlib_files
 
     _, files = stdlib_files()
     text = b"".join(f.read_bytes() for f in files)
@@ -62,7 +62,7 @@ def synthesize(folder: Path, nbytes: int, log) -> int:
 
 
 def child_prepare(src: str, out: str) -> dict:
-    from ..data import prepare
+    from ..lm.data import prepare
 
     t0 = time.perf_counter()
     meta = prepare(src, out, force=True)
@@ -72,8 +72,8 @@ def child_prepare(src: str, out: str) -> dict:
 
 
 def child_train(data: str, out: str, steps: int, overrides: list[str], t_spawn: float) -> dict:
-    from ..config import load
-    from ..trainer import train
+    from ..lm.config import load
+    from ..lm.trainer import train
 
     first, chars, train_s = [], [0], [0.0]
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..prog import ListHelpFormatter
+from ..lm.prog import ListHelpFormatter
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,9 +48,9 @@ def gradient_bytes(profile: str, overrides, ranks: int = 1, ep: int = 1) -> int:
     several groups hold the same shard."""
     import torch
 
-    from ..config import load
-    from ..expert_parallel import SHARDED
-    from ..model import ByteModel
+    from ..lm.config import load
+    from ..moe.expert_parallel import SHARDED
+    from ..lm.model import ByteModel
 
     cfg = load(profile, overrides)
     with torch.device("meta"):
@@ -70,7 +70,7 @@ def _run(cmd: list, out: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    from ..config import load
+    from ..lm.config import load
 
     a = parser().parse_args(argv)
     cfg = load(a.profile, a.overrides)

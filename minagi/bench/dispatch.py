@@ -22,11 +22,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .. import _backend, ops
-from ..dispatch import expert_mlp
-from ..prog import ListHelpFormatter
-from ..reference import ACTIVATIONS, GATED, activate, slot_ranks
-from . import print_targets
+from ..lm.prog import ListHelpFormatter
+from ..moe import _backend, ops
+from ..moe.dispatch import expert_mlp
+from ..moe.reference import ACTIVATIONS, GATED, activate, slot_ranks
+from . import as_json, print_ratios
 from .routings import random_gates, sink_routing, uniform_routing
 
 # Targets from the issues, for the compiled path at the sink routing. On a CPU the compiled path
@@ -200,28 +200,27 @@ def _table(routing, rows, idx, S):
     return "\n".join([head, *lines])
 
 
-def check_targets(results, device_type: str = "cpu") -> list[tuple[str, float, str, bool]]:
-    """(what, measured, target, met) for the compiled path at the sink routing."""
+def ratios(results, device_type: str = "cpu") -> list[tuple[str, float, str]]:
+    """(what, measured, the design's figure) for the compiled path at the sink routing."""
     sink, uni = results.get("sink", {}), results.get("uniform", {})
     tg = TARGETS["cpu" if device_type == "cpu" else "cuda"]
     if "compiled" not in sink:
         return []
     c = sink["compiled"]
-    out = [("executed rows / routed", c["executed_ratio"], f"<= {tg['executed_ratio_max']}",
-            c["executed_ratio"] <= tg["executed_ratio_max"]),
-           ("throughput vs dense limit", c["vs_dense"], f">= {tg['vs_dense_min']}", c["vs_dense"] >= tg["vs_dense_min"])]
+    out = [("executed rows / routed", c["executed_ratio"], f"<= {tg['executed_ratio_max']}"),
+           ("throughput vs dense limit", c["vs_dense"], f">= {tg['vs_dense_min']}")]
     if "grouped_mm" in sink:
         r = sink["grouped_mm"]["ms"] / c["ms"]
-        out.append(("speed vs torch._grouped_mm", r, f">= {tg['vs_grouped_mm_min']}", r >= tg["vs_grouped_mm_min"]))
+        out.append(("speed vs torch._grouped_mm", r, f">= {tg['vs_grouped_mm_min']}"))
     if "rectangle" in sink and "vs_rectangle_min" in tg:
         r = sink["rectangle"]["ms"] / c["ms"]
-        out.append(("speed vs rectangle", r, f">= {tg['vs_rectangle_min']}", r >= tg["vs_rectangle_min"]))
+        out.append(("speed vs rectangle", r, f">= {tg['vs_rectangle_min']}"))
     if "compiled_mT" in sink:
         r = sink["compiled_mT"]["ms"] / c["ms"]
-        out.append((".mT views / contiguous", r, "<= 1.05", r <= 1.05))
+        out.append((".mT views / contiguous", r, "<= 1.05"))
     if "compiled" in uni and "sink_over_uniform_max" in tg:
         r = c["ms"] / uni["compiled"]["ms"]
-        out.append(("sink time / uniform time", r, f"<= {tg['sink_over_uniform_max']}", r <= tg["sink_over_uniform_max"]))
+        out.append(("sink time / uniform time", r, f"<= {tg['sink_over_uniform_max']}"))
     return out
 
 
@@ -254,8 +253,8 @@ def main(argv=None) -> int:
     results = run(N=a.N, S=a.S, K=a.K, D=a.D, H=a.H, sink_chars=a.sink_chars, reps=a.reps, dtype=dtype,
                   device=device, methods=a.methods.split(",") if a.methods else None, activation=a.activation,
                   layout=a.layout)
-    targets = check_targets(results, torch.device(device).type)
-    print_targets(targets, "targets (compiled path, sink routing):")
+    rows = ratios(results, torch.device(device).type)
+    print_ratios(rows, "ratios (compiled path, sink routing):")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(),
@@ -263,6 +262,6 @@ def main(argv=None) -> int:
                        "shape": {"N": a.N, "S": a.S, "K": a.K, "D": a.D, "H": a.H, "sink_chars": a.sink_chars},
                        "activation": a.activation, "layout": a.layout,
                        "results": results,
-                       "targets": [dict(zip(("what", "value", "target", "met"), t)) for t in targets]},
+                       "ratios": as_json(rows)},
                       f, indent=2)
     return 0

@@ -35,17 +35,14 @@ training one, which reads all E experts, and it judged nothing there.) It is a f
 not of kernels: torch's sum streams them no faster than a few-row GEMM can, and with dozens of
 small slices its per-call overhead shows (minagi can run under it).
 
-Targets (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training shape; fwd >=
-1.5x; decode (1 and 4 tokens) >= 2x; peak memory no higher than grouped_mm's (within 1%: the
-small index tensors each backend keeps in its own way). Where the ratio asked for is beyond the
-ceiling (the built-in backend already runs near the floor: within 1.1x of the ratio), the target
-is instead to run within 10% of the floor, which is all that is left to win; at the decode sizes
-that is reading the routed weights at the speed memory allows. A decode floor that minagi runs
-more than 10% under is loose (torch's sum over dozens of small slices pays more per call than for
-their bytes), so it cannot say 2x is out of reach: such a row keeps the 2x target.
+The design's figures (this CPU): fwd+bwd >= 2x the fastest built-in backend at every training
+shape; fwd >= 1.5x; decode (1 and 4 tokens) >= 2x; peak memory no higher than grouped_mm's (within
+1%: the small index tensors each backend keeps in its own way). The bench prints each ratio beside
+its figure and the row's ceiling, and judges none: where a figure is beyond the ceiling, no backend
+can reach it, and docs/benchmarks.md says so beside the measured ratio.
 
 MINAGI_ALLOCATOR applies to the whole process, every backend alike: MINAGI_ALLOCATOR=keep
-(minagi's cache of large blocks, minagi.allocator.keep_freed_memory()) times them as a user who
+(minagi's cache of large blocks, minagi.lm.allocator.keep_freed_memory()) times them as a user who
 turned it on runs them; the floor's kept buffers are unaffected.
 """
 from __future__ import annotations
@@ -60,9 +57,10 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _backend, allocator
-from ..prog import ListHelpFormatter
-from . import print_targets
+from ..lm import allocator
+from ..lm.prog import ListHelpFormatter
+from ..moe import _backend
+from . import as_json, print_ratios
 
 # name: (config class, experts class module, experts class, config fields). Real models' ratios,
 # scaled: Mixtral-8x7B at hidden 1024 (E8 k2, I/H 2 instead of 3.5); OLMoE-1B-7B (E64 k8) and
@@ -82,7 +80,6 @@ BLOCKS = {
 }
 BUILTIN = ("eager", "batched_mm", "grouped_mm")
 FLOOR = "floor"  # each expert's GEMMs at an even load, one bmm each (see the module's docstring)
-FLOOR_SLACK = 1.10  # where a target is beyond the ceiling: within 10% of the floor
 
 
 # Tiny whole models for the accuracy rows (and tests/test_hf.py): randomly initialised from
@@ -481,32 +478,24 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def check_targets(results, peaks) -> list[tuple[str, float, str, bool]]:
+def ratios(results, peaks) -> list[tuple[str, float, str]]:
+    """minagi against the fastest built-in backend per row, with the design's figure and the
+    ceiling (that backend's time over the floor: the most any backend could gain there)."""
     out = []
     for r in results:
         builtin = {b: t for b, t in r["ms"].items() if b in BUILTIN}
         if "minagi" not in r["ms"] or not builtin:
             continue
         best = min(builtin, key=builtin.get)
-        ratio = builtin[best] / r["ms"]["minagi"]
         decode = r.get("decode", False)
         need = 2.0 if r["mode"] == "fwd+bwd" or decode else 1.5
-        what = f"{r['block']} {r['dtype']} T={r['tokens']} {'decode' if decode else r['mode']}"
         floor = r["ms"].get(FLOOR)
-        # A decode floor that minagi runs well under is loose (torch's sum over many small slices pays
-        # more per call than for the bytes): it cannot say 2x is out of reach, and the row keeps 2x.
-        loose = decode and floor and r["ms"]["minagi"] * FLOOR_SLACK < floor
-        if floor and not loose and builtin[best] / floor < need * FLOOR_SLACK:  # 2x (1.5x) beyond the ceiling
-            of_floor = r["ms"]["minagi"] / floor
-            out.append((f"{what} vs the floor (ceiling {builtin[best] / floor:.2f}x)", of_floor,
-                        f"<= {FLOOR_SLACK:.2f}x", of_floor <= FLOOR_SLACK))
-            continue
-        out.append((f"{what} vs {best}", ratio, f">= {need}x", ratio >= need))
+        ceiling = f", ceiling {builtin[best] / floor:.2f}x" if floor else ""
+        what = f"{r['block']} {r['dtype']} T={r['tokens']} {'decode' if decode else r['mode']} vs {best}{ceiling}"
+        out.append((what, builtin[best] / r["ms"]["minagi"], f">= {need}x"))
     for (block, dtype), p in peaks.items():
         if "minagi" in p and "grouped_mm" in p:
-            ratio = p["minagi"] / p["grouped_mm"]
-            # 1% for the small index tensors each keeps in its own way (the tracker sees them all)
-            out.append((f"{block} {dtype} peak memory minagi/grouped_mm", ratio, "<= 1.01x", ratio <= 1.01))
+            out.append((f"{block} {dtype} peak memory minagi/grouped_mm", p["minagi"] / p["grouped_mm"], "<= 1.01x"))
     return out
 
 
@@ -551,7 +540,7 @@ def main(argv=None) -> int:
         import transformers
     except ImportError:
         p.error('needs transformers: pip install --no-build-isolation -e ".[hf]"')
-    from .. import hf
+    from ..moe import hf
 
     hf.register()
     if a.threads:
@@ -604,13 +593,13 @@ def main(argv=None) -> int:
         print(f"generate() tokens/s, {GENERATE[name][0]}, {8 if a.quick else a.new_tokens} new tokens:")
         for mode, rates in by_mode.items():
             print(f"  {mode:<9}" + "  ".join(f"{b} {v:.1f}" for b, v in rates.items()), flush=True)
-    targets = check_targets(results, peaks)
-    print_targets(targets, "targets:", 58)
+    rows = ratios(results, peaks)
+    print_ratios(rows, "minagi's ratios:", 72)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "device": a.device,
                        "threads": torch.get_num_threads(), "extension": _backend.loaded(),
                        "allocator": allocator.describe(), "results": results,
                        "peak_bytes": {f"{b} {d}": v for (b, d), v in peaks.items()}, "generate_tokens_per_s": gen,
-                       "targets": [dict(zip(("what", "value", "target", "met"), t)) for t in targets]}, f, indent=2)
+                       "ratios": as_json(rows)}, f, indent=2)
     return 0

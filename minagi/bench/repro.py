@@ -15,7 +15,7 @@ schedule, data position, random states) bit for bit, and each of the reference's
 (losses, held-out bits per byte, routing figures; not times, speeds or memory). With --nproc 2
 every run is a torchrun of two ranks (gloo), and the signal goes to one rank or to torchrun.
 Every run of one process pins train.threads (to the machine's cores, unless --set names it): the
-bits depend on the thread count, and auto threads follow the free cores (minagi/cores.py), which
+bits depend on the thread count, and auto threads follow the free cores (minagi/lm/cores.py), which
 the loads take.
 Prints one line per run and a summary; --json writes them all. Exit status 1 on any difference.
 """
@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..cores import cpus
-from ..prog import ListHelpFormatter
+from ..lm.cores import cpus
+from ..lm.prog import ListHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[2]
 LOADS = ("quiet", "busy", "train", "build")
@@ -88,7 +88,7 @@ def _history(run: Path) -> dict:
 
 def differences(ref: Path, run: Path) -> list[str]:
     """Where run's end differs from ref's: checkpoint entries and history records (by step)."""
-    from .. import checkpoint
+    from ..lm import checkpoint
 
     a, b = checkpoint.load(ref), checkpoint.load(run)
     out: list[str] = []

@@ -6,7 +6,7 @@ after it), "late1" (one busy process started --late seconds into each run: the w
 during training, not its look at the start-up). In each, every kind of run (--runs), each a
 fresh process training the profile for --steps steps (char/s over the steps after the first
 --skip; training steps only, the held-out scoring is not in it):
-  new      train.threads = 0 as it is now: the threads follow the free cores (minagi/cores.py)
+  new      train.threads = 0 as it is now: the threads follow the free cores (minagi/lm/cores.py)
   old      train.threads = 0 as it was: every core, whatever else runs (MINAGI_WATCH_CORES=0)
   one      train.threads = 1
   passive  as old, with OMP_WAIT_POLICY=passive (waiting threads sleep instead of spinning)
@@ -27,12 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..prog import ListHelpFormatter
+from ..lm.prog import ListHelpFormatter
 
 CONDITIONS = {"quiet": 0, "busy1": 1, "busy2": 2, "late1": 1}
 RUNS = {  # what it is, train.threads, the environment
     "new": ("threads follow the free cores", "0", {"MINAGI_WATCH_CORES": "1"}),
-    "old": ("every core (before minagi/cores.py)", "0", {"MINAGI_WATCH_CORES": "0"}),
+    "old": ("every core (before minagi/lm/cores.py)", "0", {"MINAGI_WATCH_CORES": "0"}),
     "one": ("1 thread", "1", {"MINAGI_WATCH_CORES": "1"}),
     "passive": ("every core, OMP_WAIT_POLICY=passive", "0", {"MINAGI_WATCH_CORES": "0", "OMP_WAIT_POLICY": "passive"}),
 }
@@ -61,8 +61,8 @@ def child(args) -> int:
     """One run: train, then print its char/s and threads as JSON (the last line of stdout)."""
     import torch
 
-    from ..config import load
-    from ..trainer import train
+    from ..lm.config import load
+    from ..lm.trainer import train
 
     seen = []
     cfg = load(args.profile, [*args.overrides, f"train.steps={args.steps}", f"train.threads={args.child}",
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown condition or run: {', '.join(bad)}", file=sys.stderr)
         return 2
-    from ..cores import cpus
+    from ..lm.cores import cpus
 
     print(f"shared: {args.profile}, {args.steps} steps a run (char/s over the steps after {args.skip}), "
           f"{len(cpus())} cores, {args.rounds} round(s); " + "; ".join(f"{k}: {RUNS[k][0]}" for k in kinds), flush=True)

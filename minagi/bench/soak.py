@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..prog import ListHelpFormatter
-from ..memory import peak_resident_bytes, resident_bytes
+from ..lm.memory import peak_resident_bytes, resident_bytes
+from ..lm.prog import ListHelpFormatter
 
 SAMPLES = "soak_samples.jsonl"
 WARMUP_FRAC = 0.2
@@ -158,7 +158,7 @@ class Sampler:
 
 
 def _config(a):
-    from ..config import load
+    from ..lm.config import load
 
     overrides = [*a.overrides, f"train.device={a.device}", "train.steps=100000000"]
     if a.data:
@@ -167,11 +167,11 @@ def _config(a):
 
 
 def child(a) -> int:
-    from .. import allocator
-    from ..cli import USER_ERRORS
-    from ..guard import Diverged, Interrupted
-    from ..run import resolve_device
-    from ..trainer import train
+    from ..lm import allocator
+    from ..lm.cli import USER_ERRORS
+    from ..lm.guard import Diverged, Interrupted
+    from ..lm.run import resolve_device
+    from ..lm.trainer import train
 
     try:
         allocator.ensure()
@@ -197,7 +197,7 @@ def plot(samples: list[dict], path: Path, title: str) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from ..plot import install_hint
+        from ..lm.plot import install_hint
 
         print(f"soak: no PNG (matplotlib is not installed: {install_hint()})", file=sys.stderr)
         return None
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     if a.minutes <= 0 or a.every < 1:
         print("error: --minutes must be > 0 and --every >= 1", file=sys.stderr)
         return 2
-    from ..cli import USER_ERRORS
+    from ..lm.cli import USER_ERRORS
 
     try:
         _config(a)  # a bad profile or --set is one line here, before a process is started

@@ -21,7 +21,7 @@ class BalanceInputs:
     n_pool: int
     n_slots: int
     row_loads: list  # per row, a pool.RowRoute (router logits, real load per slot, real rows), for load-aware terms
-    # Data parallelism (minagi.distributed.Sum): sums across the ranks, whose characters make one
+    # Data parallelism (minagi.lm.distributed.Sum): sums across the ranks, whose characters make one
     # batch; None in one process. Each rank's term is then scaled so that DDP's mean of the ranks'
     # gradients is the gradient of the term over the whole batch.
     sync: object = None

@@ -26,9 +26,10 @@ OP_NAMES = (
     "grouped_mm_act",
     "expert_act_backward",
 )
-# Fused ops with CPU kernels only: used where they have a kernel for the device, the ops above
-# elsewhere (where they compute the same); a build without them loses nothing but speed.
-FUSED_OP_NAMES = ("scatter_mm_backward", "grouped_mm_scatter", "gather_mm_act", "decode_experts")
+# Ops with CPU kernels only (the fused ones, and the quantized grouped GEMM): used where they have
+# a kernel for the device, the ops above elsewhere (where they compute the same: qgrouped_mm's twin
+# dequantizes and runs grouped_mm); a build without them loses nothing but speed.
+FUSED_OP_NAMES = ("scatter_mm_backward", "grouped_mm_scatter", "gather_mm_act", "decode_experts", "qgrouped_mm")
 
 
 class ExtensionFallbackWarning(UserWarning):

@@ -97,7 +97,7 @@ def run_train(argv) -> int:
 
 def run_write(argv) -> int:
     """write text from a checkpoint"""
-    from .writer import NGRAM_WINDOW, NO_REPEAT_NGRAM
+    from .writer import NGRAM_WINDOW, NO_REPEAT_NGRAM, QUANTIZE
 
     p = argparse.ArgumentParser(prog=f"{PROG['sub']} write", description="Write text from a checkpoint.",
                                 formatter_class=HelpFormatter)
@@ -112,11 +112,13 @@ def run_write(argv) -> int:
                    help=f"never repeat a sequence of N bytes already in the last {NGRAM_WINDOW} (no run of one "
                    "byte longer than N, no line looped forever); 0 = off")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
+    p.add_argument("--quantize", default=None, choices=list(QUANTIZE),
+                   help="run the pool's experts quantized (int8: per output channel; int4: groups of 32 inputs)")
     a = p.parse_args(argv)
     from .writer import run_write as write
 
     try:
-        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device, a.no_repeat_ngram)
+        write(a.run, a.prompt, a.chars, a.temperature, a.top_p, a.seed, a.device, a.no_repeat_ngram, a.quantize)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return 0
@@ -131,16 +133,28 @@ def run_eval(argv) -> int:
                    "(default: the run's own held-out split)")
     p.add_argument("--data-binary", action="store_true", help="score files that are not text too")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="score the pool's experts quantized too, beside the float model (the last line is theirs)")
     a = p.parse_args(argv)
     from .evaluate import bits_per_byte, scored_bytes
-    from .writer import load_model
+    from .writer import load_model, quantize_experts
 
     model, cfg = load_model(a.run, a.device)
     data, what, note = scored_bytes(cfg, a.data, a.data_binary)
     if note:
         print(note, file=sys.stderr)
     print(f"scoring {data.numel():,} bytes of {what} in windows of {cfg.data.context}; bits per byte:", file=sys.stderr)
-    print(f"{bits_per_byte(model, data, cfg.data.context):.4f}")
+    bpb = bits_per_byte(model, data, cfg.data.context)
+    if a.quantize is None:
+        print(f"{bpb:.4f}")
+        return 0
+    try:
+        print(quantize_experts(model, a.quantize), file=sys.stderr)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    q = bits_per_byte(model, data, cfg.data.context)
+    print(f"float {bpb:.4f}, {a.quantize} {q:.4f} ({q - bpb:+.4f}); {a.quantize}'s:", file=sys.stderr)
+    print(f"{q:.4f}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The training loop: AdamW (off-card experts untouched), warmup + cosine, gradient clipping,
 gradient accumulation, bfloat16 autocast on GPUs, held-out bits per byte, atomic checkpoints,
 exact resume, and the history file (one JSON record per held-out evaluation). Under torchrun
-the same loop trains one model on every rank (minagi/distributed.py): rank 0 writes the
+the same loop trains one model on every rank (minagi/lm/distributed.py): rank 0 writes the
 checkpoints, the history and the progress.
 
 The pieces it is made of: run.py (the Run, how it is built, started and resumed), step.py (one
@@ -50,7 +50,7 @@ def train(cfg: Config, out_dir, resume: bool = False, progress: bool = True, cal
     called with a StepInfo after every step; one that returns True ends the run there, with a
     checkpoint at that step (as a finished run has). Raises guard.Diverged when the run
     diverges, guard.Interrupted after the checkpoint of a run stopped by SIGTERM or SIGINT.
-    Under torchrun (minagi/distributed.py) every rank runs this; the ranks stop together.
+    Under torchrun (minagi/lm/distributed.py) every rank runs this; the ranks stop together.
     steps (with resume): train the resumed run to this step instead of its saved length (its
     schedule re-planned over it); below the checkpoint's step it is a ConfigError. named (with
     resume): the settings ("section.key") the command gave, the only ones a resume reports as

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import expert_mlp
+from .quant import QuantizedWeight
+from .quant import quantize as _quantize
 
 NAME = "minagi"
 INSTALL = 'pip install --no-build-isolation -e ".[hf]"  (or: pip install "transformers>=5.0")'
@@ -95,17 +97,85 @@ def _call(m) -> _Call | str:
     if getattr(m, "has_bias", False):
         names += tuple(f"{n}_bias" for n in names)
     tensors = [getattr(m, n, None) for n in names]
-    for n, t in zip(names, tensors):
+    for i, (n, t) in enumerate(zip(names, tensors)):
+        if i < 2 and isinstance(t, QuantizedWeight):  # minagi's own (quantize() below), stored [S, in, out]
+            continue
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_floating_point():
             what = type(t).__name__ if type(t) not in (torch.Tensor, torch.nn.Parameter) else t.dtype
-            return f"{n}: a {what}, not a plain floating-point tensor (quantized or sharded weights)"
+            return f"{n}: a {what}, not a plain floating-point tensor (another library's quantized or sharded weights)"
         if t.dtype != tensors[0].dtype:
             return f"{n}: {t.dtype}, not {names[0]}'s {tensors[0].dtype} (minagi's experts take one dtype)"
-    w_in, w_out = tensors[:2] if transposed else (tensors[0].mT, tensors[1].mT)
+    w_in, w_out = (_logical(t, transposed) for t in tensors[:2])
     b_in, b_out = tensors[2:] if len(tensors) == 4 else (None, None)
     post = m.post_expert_norm if getattr(m, "has_post_expert_norm", False) else None
     activation, alpha, limit = _activation(m, gated)
     return _Call(w_in, w_out, b_in, b_out, activation, alpha, limit, post)
+
+
+def _logical(w, transposed: bool):
+    """An experts weight as expert_mlp takes it, [E, in, out]: a QuantizedWeight already is; a
+    tensor stored [E, out, in] (nn.Linear's layout) is passed as its .mT view."""
+    return w if transposed or isinstance(w, QuantizedWeight) else w.mT
+
+
+def _is_experts(m) -> bool:
+    """A module made by transformers' @use_experts_implementation (its __init__ sets these)."""
+    return all(hasattr(m, a) for a in ("has_gate", "is_transposed", "is_concatenated", "_is_expert_parallel"))
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    """What minagi.hf.quantize converted: modules, weights, and the bytes before and after."""
+    modules: int
+    weights: int
+    bytes_before: int
+    bytes_after: int
+    skipped: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        saved = self.bytes_before - self.bytes_after
+        line = (f"minagi.hf.quantize: {self.weights} expert weights in {self.modules} experts modules, "
+                f"{self.bytes_before / 2**20:,.1f} MiB -> {self.bytes_after / 2**20:,.1f} MiB "
+                f"({saved / 2**20:,.1f} MiB saved); attention and dense layers untouched")
+        return line + "".join(f"\n  left as they were: {s}" for s in self.skipped)
+
+
+def quantize(model: torch.nn.Module, bits: int = 8, group_size: int | None = None,
+             scale_dtype: torch.dtype = torch.bfloat16, verbose: bool = True) -> QuantizeReport:
+    """Quantize every experts module's expert weights in place (minagi.moe.quant: int8 per output
+    channel, or int4 in groups of group_size inputs), and set the model's experts implementation
+    to "minagi", the one that runs them. Biases, routers, attention and dense layers are left to
+    the user's quantizer of choice. Inference only. Quantize after moving the model to its
+    device: the quantized weights are plain attributes, not parameters, so model.to() and
+    state_dict() do not see them (each has its own .to(); torch.save stores it).
+    Returns (and with verbose, prints) what it converted and the bytes saved."""
+    modules = weights = before = after = 0
+    skipped = []
+    for name, m in model.named_modules():
+        if not _is_experts(m):
+            continue
+        names = ("gate_up_proj" if getattr(m, "has_gate", True) else "up_proj", "down_proj")
+        done = 0
+        for n in names:
+            w = getattr(m, n, None)
+            if isinstance(w, QuantizedWeight):
+                continue
+            if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.is_floating_point():
+                skipped.append(f"{name}.{n} ({type(w).__name__})")
+                continue
+            qw = _quantize(_logical(w.detach(), m.is_transposed), bits=bits, group_size=group_size,
+                           scale_dtype=scale_dtype)
+            before, after, done = before + w.nbytes, after + qw.nbytes, done + 1
+            if n in m._parameters:
+                del m._parameters[n]
+            setattr(m, n, qw)
+        modules, weights = modules + (done > 0), weights + done
+    if weights and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(NAME)
+    report = QuantizeReport(modules, weights, before, after, tuple(skipped))
+    if verbose:
+        print(report)
+    return report
 
 
 def _activation(m, gated: bool):

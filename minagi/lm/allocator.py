@@ -69,7 +69,7 @@ def keep_freed_memory(max_idle_bytes: int = KEEP_MAX_IDLE) -> bool:
         raise ValueError(f"keep_freed_memory: max_idle_bytes must be >= 0, got {max_idle_bytes}")
     import torch
 
-    from . import _backend
+    from ..moe import _backend
 
     if not _backend.loaded() or not hasattr(torch.ops.minagi, "cpu_block_cache"):
         return False
@@ -152,7 +152,7 @@ def ensure() -> None:
     tag = f"minagi: MINAGI_ALLOCATOR={want}:"
     if want == "keep":
         if not keep_freed_memory():
-            from . import _backend
+            from ..moe import _backend
 
             why = _backend.state().reason or "no block cache in this build or on this system"
             print(f"{tag} needs minagi's extension ({why}); using the system allocator", file=sys.stderr)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from . import _backend, allocator
+from ..moe import _backend
+from . import allocator
 from .run import Run
 
 SINK_WARNING = 0.5  # first-row sink_share past which the run warns (once)

@@ -18,29 +18,21 @@ from . import _backend, reference
 _REGISTERED = False
 
 
-def constant(name: str, fallback: int) -> int:
-    """A size defined in C++ (torch.ops.minagi.constant), read from the extension; `fallback`
-    where it is not loaded (tests/test_ops.py checks the two agree)."""
-    return int(torch.ops.minagi.constant(name)) if _backend.loaded() else fallback
+# The sizes C++ defines (csrc/sizes.h, csrc/common.h), as the pure-torch twins take them where the
+# extension is not loaded; tests/test_ops.py checks each equals the built extension's.
+FALLBACK_CONSTANTS = {"small_rows": 4, "gpu_max_slots": 2048}
+
+
+def constant(name: str) -> int:
+    """A size defined in C++ (torch.ops.minagi.constant), read from the extension where it is
+    loaded, else FALLBACK_CONSTANTS'."""
+    return int(torch.ops.minagi.constant(name)) if _backend.loaded() else FALLBACK_CONSTANTS[name]
 
 
 # The most card slots the GPU kernels take (csrc/common.h kMaxGpuSlots, which the kernels check:
 # the routing and plan kernels keep per-slot arrays in one block's shared memory). The CPU
 # kernels and the pure-torch twins have no limit.
-GPU_MAX_SLOTS = constant("gpu_max_slots", 2048)
-
-
-def check_card_fits(n_slots: int, device: torch.device, gpu_kernels: bool | None = None) -> None:
-    """Before a run: a card the GPU kernels cannot take is an error now, not after the first step.
-    Routing runs on the compiled kernels wherever they exist for the device (whatever
-    model.dispatch says), so their presence decides; gpu_kernels overrides the look (tests)."""
-    has = supports(device) if gpu_kernels is None else gpu_kernels
-    if device.type == "cuda" and has and n_slots > GPU_MAX_SLOTS:
-        from .config import ConfigError
-
-        raise ConfigError(f"model.n_slots = {n_slots}: the GPU kernels take at most {GPU_MAX_SLOTS} card slots; "
-                          f"use a smaller card (model.n_slots; the pool can stay larger, admission picks the card), "
-                          f"or train on the CPU")
+GPU_MAX_SLOTS = constant("gpu_max_slots")
 
 
 def _fake_registrations(lib: str = "minagi") -> None:
@@ -121,6 +113,11 @@ def _fused_fake_registrations(names: tuple[str, ...], lib: str = "minagi") -> No
         @torch.library.register_fake(f"{lib}::decode_experts")
         def _(x, slot_idx, gates, w_in, w_out, b_in, b_out, activation, alpha, limit):
             return x.new_empty(x.shape[0], w_out.shape[2])
+
+    if "qgrouped_mm" in names:
+        @torch.library.register_fake(f"{lib}::qgrouped_mm")
+        def _(a, q, scale, slot_ids, slot_rows, bits, group_size):
+            return a.new_empty(a.shape[0], q.shape[1])
 
 
 def stored_transposed(b_SIO: torch.Tensor) -> bool:
@@ -274,6 +271,8 @@ def _fused_autograd_registrations(names: tuple[str, ...], lib: str = "minagi") -
         _gather_mm_act_autograd(lib)
     if "decode_experts" in names:
         _decode_experts_autograd(lib)
+    if "qgrouped_mm" in names:
+        _qgrouped_mm_autograd(lib)
 
 
 def _grouped_mm_scatter_autograd(lib: str) -> None:
@@ -342,6 +341,35 @@ def _decode_experts_autograd(lib: str) -> None:
         return (*(next(grads) if t is not None and t.is_floating_point() else None for t in leaves), None, None, None)
 
     torch.library.register_autograd(f"{lib}::decode_experts", bwd, setup_context=setup)
+
+
+NO_WEIGHT_GRAD = ("quantized weights take no gradient (their values are integers; expert_mlp gives gradients to x and "
+                  "the gates only): pass a scale that does not require grad, or train the float weights")
+
+
+def _qgrouped_mm_autograd(lib: str) -> None:
+    # a's gradient only: grad @ W^T per slot, W dequantized (the twin's maths) and multiplied by the
+    # device's grouped_mm, which reads nothing on the host.
+    ops = getattr(torch.ops, lib)
+
+    def setup(ctx, inputs, output):
+        a, q, scale, slot_ids, slot_rows, bits, group_size = inputs
+        ctx.form = (bits, group_size)
+        ctx.save_for_backward(q, scale, slot_ids, slot_rows)
+
+    def bwd(ctx, grad):
+        if ctx.needs_input_grad[2]:
+            raise RuntimeError(f"minagi.qgrouped_mm: {NO_WEIGHT_GRAD}")
+        q, scale, slot_ids, slot_rows = ctx.saved_tensors
+        grad_a = None
+        if ctx.needs_input_grad[0]:
+            w_AOI = reference.dequantize(q.index_select(0, slot_ids), scale.index_select(0, slot_ids), *ctx.form,
+                                         grad.dtype)
+            ids_A = torch.arange(slot_ids.shape[0], device=slot_ids.device)
+            grad_a = ops.grouped_mm(grad, w_AOI, ids_A, slot_rows)
+        return grad_a, None, None, None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::qgrouped_mm", bwd, setup_context=setup)
 
 
 def _scatter_mm_backward_autograd(lib: str) -> None:

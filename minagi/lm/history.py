@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch
+from ..moe import dispatch
 
 HISTORY = "history.jsonl"
 LN2 = math.log(2)

@@ -12,10 +12,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import ops as _ops
-from .dispatch import dispatch_stats, expert_mlp
-from .reference import ACTIVATIONS, GATED
-from .expert_parallel import ep_expert_mlp
+from ..moe import ops as _ops
+from ..moe.dispatch import dispatch_stats, expert_mlp
+from ..moe.expert_parallel import ep_expert_mlp
+from ..moe.reference import ACTIVATIONS, GATED
 
 
 class Card(NamedTuple):
@@ -65,7 +65,7 @@ class PooledMLP(nn.Module):
         self.force_routing = None
         # A list while a load-aware balance term wants them: a RowRoute per call, in order.
         self.route_log = None
-        # Expert parallelism (minagi.expert_parallel): the process group over which the card's
+        # Expert parallelism (minagi.moe.expert_parallel): the process group over which the card's
         # experts are sharded; the card's weights are then this rank's shard, the router all of it.
         self.ep_group = None
         if own_card:  # else every forward is handed its card (the model's pool admits one)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_PROFILE = "cpu-tiny"
-# minagi.reference.ACTIVATIONS (config stays below torch: the names only)
+# minagi.moe.reference.ACTIVATIONS (config stays below torch: the names only)
 _ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai")
 
 
@@ -35,11 +35,11 @@ class ModelConfig:
     # top_k = 1 the gate is 1 and the loss never reaches the router); "all" = softmax over every
     # card slot, taken at the chosen ones (Switch Transformer): the loss teaches the choice.
     gates: str = "chosen"
-    balance: str = "admission"  # the balance term (minagi.balance.BALANCE_TERMS)
+    balance: str = "admission"  # the balance term (minagi.lm.balance.BALANCE_TERMS)
     balance_coef: float = 0.01
     bias_rate: float = 1e-3  # balance = "bias": how far a routing bias moves per step
     dispatch: str = "auto"  # expert_mlp path
-    # The experts' form (minagi.reference.ACTIVATIONS): "gelu", or e.g. "swiglu", whose w_in is
+    # The experts' form (minagi.moe.reference.ACTIVATIONS): "gelu", or e.g. "swiglu", whose w_in is
     # [d, 2 x d_hidden] (gate and up): 1.5x gelu's multiply-adds at the same d_hidden.
     expert_activation: str = "gelu"
     dtype: str = "float32"  # float32 | bfloat16 (autocast on GPUs)
@@ -183,12 +183,12 @@ def _set(cfg: Config, section: str, key: str, value, source: str) -> None:
 
 
 def _packaged(name: str):
-    """A profile shipped in the package (minagi/profiles/NAME.toml), found from any install."""
-    return resources.files("minagi").joinpath("profiles", f"{name}.toml")
+    """A profile shipped in the package (minagi/lm/profiles/NAME.toml), found from any install."""
+    return resources.files("minagi.lm").joinpath("profiles", f"{name}.toml")
 
 
 def profile_names() -> list[str]:
-    folder = resources.files("minagi").joinpath("profiles")
+    folder = resources.files("minagi.lm").joinpath("profiles")
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 

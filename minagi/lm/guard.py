@@ -1,7 +1,7 @@
 """What keeps a run from losing good work: a divergence guard that skips non-finite steps, a
 finiteness check of the whole state before it is saved, and a graceful stop on SIGTERM / SIGINT.
 
-Exit statuses (minagi/cli.py): 3 for a run stopped by the guard; 143 (SIGTERM) and 130 (SIGINT),
+Exit statuses (minagi/lm/cli.py): 3 for a run stopped by the guard; 143 (SIGTERM) and 130 (SIGINT),
 as shells report them, for a run stopped by a signal after its checkpoint was written.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ PROG = {"train": "python train.py", "sub": "python train.py"}
 
 # Every benchmark (python -m minagi.bench NAME): its module in minagi.bench, the function there,
 # and what it measures in one line. The bench runner, its --help and the commands' --help
-# (minagi.cli.command_list) all read this table.
+# (minagi.lm.cli.command_list) all read this table.
 BENCHES = {
     "dispatch": ("dispatch", "main", "forward+backward time of expert_mlp per dispatch path, uniform and sink routings"),
     "quality": ("quality", "main", "does the pool pay? the profile against dense models at equal wall-clock"),

@@ -1,4 +1,4 @@
-"""python -m minagi.plot DIR (or python train.py plot DIR): the history file drawn into
+"""python -m minagi.lm.plot DIR (or python train.py plot DIR): the history file drawn into
 DIR/history.png: held-out and train bits per byte, char/s, memory, load ratios, and the
 routing's health (first-row sink share and load entropy, dead slots).
 matplotlib is an optional extra: python -m pip install "minagi[plot]" (a checkout: -e ".[plot]")."""
@@ -78,7 +78,7 @@ def plot_history(run_dir) -> Path:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m minagi.plot DIR", file=sys.stderr)
+        print("usage: python -m minagi.lm.plot DIR", file=sys.stderr)
         return 2
     try:
         print(plot_history(argv[0]))

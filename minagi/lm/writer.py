@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..moe import quant
 from . import checkpoint
 from .config import Config
 from .model import ByteModel
@@ -21,8 +22,13 @@ NO_REPEAT_NGRAM = 32
 NGRAM_WINDOW = 1024
 
 
-def load_model(run_dir, device="cpu") -> tuple[ByteModel, Config]:
-    """The model of a run folder (or checkpoint file), in eval mode, on `device`."""
+# --quantize's choices: (bits, group_size) of minagi.moe.quant (int4 in llama.cpp Q4_0's groups of 32).
+QUANTIZE = {"int8": (8, None), "int4": (4, 32)}
+
+
+def load_model(run_dir, device="cpu", quantize: str | None = None) -> tuple[ByteModel, Config]:
+    """The model of a run folder (or checkpoint file), in eval mode, on `device`; with quantize
+    ("int8" or "int4"), its pool's experts quantized (quantize_experts), the rest as trained."""
     ckpt = checkpoint.load(run_dir, map_location="cpu")
     cfg = Config.from_dict(ckpt["config"])
     model = ByteModel(cfg.model, cfg.data.context)
@@ -30,7 +36,31 @@ def load_model(run_dir, device="cpu") -> tuple[ByteModel, Config]:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
         raise checkpoint.CheckpointError(f"checkpoint in {run_dir} does not fit its own config: {exc}") from exc
-    return model.to(device).eval(), cfg
+    model = model.to(device).eval()
+    if quantize is not None:
+        print(quantize_experts(model, quantize), file=sys.stderr)
+    return model, cfg
+
+
+def quantize_experts(model: ByteModel, spec: str) -> str:
+    """Replace the pool's expert weights (w_in, w_out) by minagi.moe.quant's QuantizedWeights,
+    in place, for inference; returns a line saying what it did."""
+    if spec not in QUANTIZE:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {spec!r}")
+    bits, group = QUANTIZE[spec]
+    pool, before, after = model.pool, 0, 0
+    for name in ("w_in", "w_out"):
+        w = getattr(pool, name)
+        if group and w.shape[1] % group:
+            width = "model.d_model" if name == "w_in" else "model.d_hidden"
+            raise ValueError(f"--quantize {spec}: {name}'s {w.shape[1]} inputs ({width}) are not a multiple of "
+                             f"the int4 group of {group}; use --quantize int8 (one scale per output channel)")
+        qw = quant.quantize(w.detach(), bits=bits, group_size=group)
+        before, after = before + w.nbytes, after + qw.nbytes
+        del pool._parameters[name]
+        setattr(pool, name, qw)
+    return (f"minagi: the pool's {pool.w_in.shape[0]} experts in {spec}: {before / 2**20:.2f} MiB -> "
+            f"{after / 2**20:.2f} MiB (attention, n-gram tables and the router stay as trained)")
 
 
 def banned_bytes(text: bytes, n: int, window: int = NGRAM_WINDOW) -> list[int]:
@@ -136,11 +166,11 @@ def check_settings(temperature: float, top_p: float, no_repeat_ngram: int) -> No
 
 
 def run_write(run_dir, prompt: str, n_chars: int, temperature: float, top_p: float, seed: int, device="cpu",
-              no_repeat_ngram: int = NO_REPEAT_NGRAM) -> WriteResult:
+              no_repeat_ngram: int = NO_REPEAT_NGRAM, quantize: str | None = None) -> WriteResult:
     if n_chars < 0:
         raise ValueError("--chars must be >= 0")
     check_settings(temperature, top_p, no_repeat_ngram)
-    model, cfg = load_model(run_dir, device)
+    model, cfg = load_model(run_dir, device, quantize)
     data = prepare_prompt(prompt, cfg.data.context, notice=lambda m: print(m, file=sys.stderr))
     sys.stdout.write(data.decode("utf-8", errors="replace"))
     result = write(model, data, n_chars, temperature=temperature, top_p=top_p, seed=seed,

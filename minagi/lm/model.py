@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe.dispatch import DECODE_MAX_CHARS
+from ..moe.reference import GATED, bucket
 from .balance import BALANCE_TERMS, BalanceInputs
 from .config import ModelConfig
-from .dispatch import DECODE_MAX_CHARS
 from .pool import Card, PooledMLP, init_experts
-from .reference import GATED, bucket
 
 VOCAB = 256  # every byte value: nothing is ever unknown
 NO_BYTE = VOCAB  # stands for the bytes before a window's first, in the n-gram codes
@@ -134,7 +134,7 @@ class ModelOutput:
 
 
 class ByteModel(nn.Module):
-    # Data parallelism sets a minagi.distributed.Sum here: in training, the balance terms and
+    # Data parallelism sets a minagi.lm.distributed.Sum here: in training, the balance terms and
     # choose_card then look across every rank's characters (evaluation and decoding stay local).
     sync = None
 
@@ -372,7 +372,7 @@ class RowCache:
         self.card = None  # the card admitted for this stream (from its first characters)
         self.card_bias = None  # its routing biases (bias balancing)
         # The dense weights transposed, [in, out] row-major: a one-row product then streams each
-        # weight once (x @ w_t runs ~1.7x faster than F.linear from a cold cache). Like the
+        # weight once (faster than F.linear's strided read from a cold cache). Like the
         # card, they belong to the weights the cache was made with.
         w = model.attn.qkv.weight.detach()
         self.qkv_t = w.t().contiguous()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-# torch's fused AdamW kernel: one pass over each tensor instead of ~10 (on a 2-core CPU the
-# unfused update was ~17% of a cpu-tiny training step).
+# torch's fused AdamW kernel: one pass over each tensor instead of about ten (the unfused update
+# is a visible part of a small model's CPU step).
 _FUSED_DEVICES = ("cpu", "cuda")
 
 

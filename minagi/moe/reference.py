@@ -250,6 +250,39 @@ def grouped_mm(a_EI, b_SIO, slot_ids_A, slot_rows_A):
     return torch.cat(outs)
 
 
+def dequantize(q_SOX, scale, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [S, out, in] that quantized storage stands for (minagi/moe/quant.py's format):
+    bits 8: q [S, out, in] int8; bits 4: q [S, out, in / 2] uint8, each 32 inputs' block in 16
+    bytes, byte j holding input j in its low nibble and input j + 16 in its high one, each nibble the
+    value + 8. scale [S, out] (group_size 0: one per output channel) or [S, out, in / group_size].
+    Computed in float32 (float64 for float64), where q * scale is exact, then cast to dtype."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    if bits == 8:
+        v_SOI = q_SOX.to(work)
+    elif bits == 4:
+        S, O, X = q_SOX.shape
+        b = q_SOX.view(S, O, X // 16, 16).to(torch.int16)  # one 32-input block per 16 bytes
+        v_SOI = (torch.stack([b & 15, b >> 4], dim=3) - 8).reshape(S, O, 2 * X).to(work)
+    else:
+        raise ValueError(f"minagi.dequantize: bits must be 8 or 4, got {bits}")
+    s = scale.to(work)
+    if group_size == 0:
+        return (v_SOI * s.unsqueeze(-1)).to(dtype)
+    S, O, I = v_SOI.shape
+    return (v_SOI.view(S, O, I // group_size, group_size) * s.unsqueeze(-1)).view(S, O, I).to(dtype)
+
+
+def qgrouped_mm(a_EI, q_SOX, scale, slot_ids_A, slot_rows_A, bits: int, group_size: int, *, ops=None):
+    """grouped_mm with quantized weights: each listed slot's weights dequantized (in a's dtype),
+    then the float grouped GEMM. The oracle of the compiled kernel, and its stand-in on devices
+    without one (ops: whose grouped_mm to use, as gather_mm_act's)."""
+    ops = ops or _twins()
+    w_AOI = dequantize(q_SOX.index_select(0, slot_ids_A), scale.index_select(0, slot_ids_A), bits, group_size,
+                       a_EI.dtype)
+    ids_A = torch.arange(slot_ids_A.shape[0], device=slot_ids_A.device)
+    return ops.grouped_mm(a_EI, w_AOI.mT, ids_A, slot_rows_A)
+
+
 def grouped_mm_wgrad(a_EI, grad_EO, slot_ids_A, slot_rows_A, n_slots: int):
     outs, row = [], 0
     for n_group, rows in groups(slot_rows_A):

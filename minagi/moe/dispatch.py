@@ -7,7 +7,9 @@ relu2, or the gated swiglu, swiglu_interleaved and GPT-OSS's swiglu_oai, whose w
 (gate and up). The biases are optional. act may also be any callable [rows, h_in] -> [rows, h] (a
 model's own gate, such as transformers' _apply_gate): the same plan and grouped GEMMs, with the
 callable between them instead of the fused activation. post (optional) maps each pair's expert
-output (b_out included) before its gate, such as a post-expert norm.
+output (b_out included) before its gate, such as a post-expert norm. w_in and w_out may be
+QuantizedWeights (minagi/moe/quant.py, int8 or int4): each GEMM with one is qgrouped_mm, which
+dequantizes in registers or in a cache-sized tile (inference: no weight gradient).
 
 Paths:
   rectangle  every slot padded to the busiest slot's load, one bmm: the seed's old dispatch,
@@ -38,6 +40,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ops as _ops
 from . import reference
+from .quant import QuantizedWeight
 from .reference import ACTIVATIONS, GATED
 from .reference import bucket as _bucket  # noqa: F401  (the seed's name for it)
 
@@ -208,8 +211,11 @@ def _check_inputs(x, slot_idx, gates, w_in, w_out, form: Form, b_in, b_out, out_
         raise ValueError(f"expert_mlp: {msg}")
 
     for name, t in (("x", x), ("slot_idx", slot_idx), ("gates", gates), ("w_in", w_in), ("w_out", w_out)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"expert_mlp: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not isinstance(t, torch.Tensor) and not (name.startswith("w_") and isinstance(t, QuantizedWeight)):
+            raise TypeError(f"expert_mlp: {name} must be a torch.Tensor{' or a QuantizedWeight' if 'w_' in name else ''}"
+                            f", got {type(t).__name__}")
+        if isinstance(t, QuantizedWeight) and t.requires_grad:
+            fail(f"{name} is a QuantizedWeight whose scale requires grad; {_ops.NO_WEIGHT_GRAD}")
     if form.fn is None and form.activation not in ACTIVATIONS:
         fail(f"activation must be one of {', '.join(ACTIVATIONS)} or a callable, got {form.activation!r}")
     if out_of_range not in OUT_OF_RANGE:
@@ -327,9 +333,20 @@ def _form_args(form: Form):
     return form.activation, form.alpha, form.limit
 
 
+def _mm(ops, a_EI, w_SIO, order_A, rows_A):
+    """grouped_mm, or with a QuantizedWeight qgrouped_mm: the device's kernel where it has one,
+    else its twin (the weights dequantized, then the device's grouped_mm)."""
+    if not isinstance(w_SIO, QuantizedWeight):
+        return ops.grouped_mm(a_EI, w_SIO, order_A, rows_A)
+    args = (a_EI, w_SIO.q, w_SIO.scale, order_A, rows_A, w_SIO.bits, w_SIO.group)
+    if ops is not _ops.REFERENCE and _ops.has_fused("qgrouped_mm", a_EI.device):
+        return ops.qgrouped_mm(*args)
+    return reference.qgrouped_mm(*args, ops=ops)
+
+
 def _gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A):
     """buf @ w_in + b_in per slot's rows, unfused (the bias added by row)."""
-    h_EH = ops.grouped_mm(buf_ED, w_in_SDH, order_A, rows_A)
+    h_EH = _mm(ops, buf_ED, w_in_SDH, order_A, rows_A)
     if b_in_SH is None:
         return h_EH
     return h_EH + reference.per_row(b_in_SH, order_A, rows_A, h_EH.shape[0])
@@ -341,14 +358,16 @@ def _first_layer(ops, x_ND, w_in_SDH, b_in_SH, plan, form: Form):
     the device has it): the gathered rows and h are never written out. Otherwise one op fuses the
     bias and activation into the GEMM and keeps h for its backward."""
     order_A, rows_A, row_pair_E, dest_NK = plan
-    fused = ops is not _ops.REFERENCE and form.fn is None
+    fused = ops is not _ops.REFERENCE and form.fn is None and not isinstance(w_in_SDH, QuantizedWeight)
     if fused and not _wants_grad((x_ND, w_in_SDH, b_in_SH)) and _ops.has_fused("gather_mm_act", x_ND.device):
         return ops.gather_mm_act(x_ND, w_in_SDH, b_in_SH, order_A, rows_A, row_pair_E, dest_NK, *_form_args(form))
     buf_ED = ops.bucketed_gather(x_ND, row_pair_E, dest_NK, None)
-    if form.fn is not None:  # the caller's function: nothing fuses it
+    if form.fn is not None or (not fused and ops is not _ops.REFERENCE):  # the caller's function, or quantized
         return form.act(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A))
     if ops is _ops.REFERENCE and buf_ED.is_cuda:
         return BucketedAct.apply(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A), form)
+    if isinstance(w_in_SDH, QuantizedWeight):  # the twins: the same GEMM, then the form
+        return form.act(_gemm_bias(ops, buf_ED, w_in_SDH, b_in_SH, order_A, rows_A))
     return ops.grouped_mm_act(buf_ED, w_in_SDH, b_in_SH, order_A, rows_A, *_form_args(form))[1]
 
 
@@ -372,9 +391,10 @@ def _second_layer(ops, a_EH, w_out_SHD, gates_NK, plan, post):
     whose backward keeps each slot's rows of the output gradient in a thread's tile where they fit
     (the op decides), and the [E, d] outputs are not kept for it."""
     order_A, rows_A, row_pair_E, dest_NK = plan
-    if post is None and ops is not _ops.REFERENCE and _ops.has_fused("grouped_mm_scatter", a_EH.device):
+    if (post is None and ops is not _ops.REFERENCE and not isinstance(w_out_SHD, QuantizedWeight)
+            and _ops.has_fused("grouped_mm_scatter", a_EH.device)):
         return ops.grouped_mm_scatter(a_EH, w_out_SHD, gates_NK, order_A, rows_A, row_pair_E, dest_NK)
-    out_ED = ops.grouped_mm(a_EH, w_out_SHD, order_A, rows_A)
+    out_ED = _mm(ops, a_EH, w_out_SHD, order_A, rows_A)
     if post is not None:
         out_ED = _post(out_ED, post, lambda b_SD: reference.per_row(b_SD, order_A, rows_A, out_ED.shape[0]))
     return ops.weighted_scatter(out_ED, dest_NK, row_pair_E, gates_NK)
@@ -392,7 +412,7 @@ def _grouped(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, cap, buckete
 # Up to this many tokens go through the decode path (no plan): writing's one character per
 # stream, or a handful of streams. N characters put at most N rows in a slot, so this is the
 # CPU's few-row kernels' limit (csrc/sizes.h kSmallRows), read from the extension.
-DECODE_MAX_CHARS = _ops.constant("small_rows", 4)
+DECODE_MAX_CHARS = _ops.constant("small_rows")
 
 
 def _below_autograd(wants_grad: bool):
@@ -423,13 +443,13 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     return not wants_grad or (N == 1 and not skipping)
 
 
-def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool) -> bool:
+def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool, quantized: bool = False) -> bool:
     """Whether a handful of characters go through the one compiled op (decode_experts, the CPU's):
     one call instead of the unfused decode's ten, whose dispatch cost more than the GEMMs at one
-    character. Not with the caller's own activation or post, out_of_range_slots='skip', or a
-    gradient."""
+    character. Not with the caller's own activation or post, out_of_range_slots='skip', a
+    gradient, or quantized weights (the pipeline takes them, with qgrouped_mm)."""
     return (ops is not _ops.REFERENCE and form.fn is None and post is None and valid_NK is None and not wants_grad
-            and _ops.has_fused("decode_experts", x_ND.device))
+            and not quantized and _ops.has_fused("decode_experts", x_ND.device))
 
 
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
@@ -571,7 +591,9 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
     rows_A = None  # the plan's rows per listed slot, for the statistics
-    if path == "rectangle":
+    quantized = isinstance(w_in, QuantizedWeight) or isinstance(w_out, QuantizedWeight)
+    if path == "rectangle":  # the reference: quantized weights as the float weights they stand for
+        w_in, w_out = (w.dequantize() if isinstance(w, QuantizedWeight) else w for w in (w_in, w_out))
         y, kept, executed = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid, post_pair)
     else:
         ops = _ops.compiled() if path == "compiled" else _ops.REFERENCE
@@ -581,7 +603,7 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
         wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out)) or (
             torch.is_grad_enabled() and (form.fn is not None or post is not None))
         decode = _use_decode(N, cap, wants_grad, skip)
-        if decode and _fuses_decode(ops, x, form, valid, post, wants_grad):
+        if decode and _fuses_decode(ops, x, form, valid, post, wants_grad, quantized):
             with _below_autograd(False):
                 y = ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
             b_out = None  # added inside, per pair

@@ -9,19 +9,31 @@ from pathlib import Path
 
 import torch
 
-from . import _backend, checkpoint, distributed, history
+from ..moe import _backend
+from ..moe import ops as _ops
+from ..moe.dispatch import resolve_path
+from ..moe.expert_parallel import ExpertParallel
+from . import checkpoint, distributed, history
 from .config import Config, ConfigError, validate
 from .data import Batches, check_fits, fixed_chunks, load_corpus
-from .dispatch import resolve_path
-from .expert_parallel import ExpertParallel
 from .history import Window
 from .model import ByteModel
-from .ops import check_card_fits
 from .optim import PoolAdamW
 
 # Settings of the run's layout over processes, not of the model or its training: on --resume the
 # command's own values hold (a checkpoint of an expert-parallel run resumes in one process).
 LAYOUT = ("threads", "expert_parallel", "dist_timeout")
+
+
+def check_card_fits(n_slots: int, device: torch.device, gpu_kernels: bool | None = None) -> None:
+    """Before a run: a card the GPU kernels cannot take is an error now, not after the first step.
+    Routing runs on the compiled kernels wherever they exist for the device (whatever
+    model.dispatch says), so their presence decides; gpu_kernels overrides the look (tests)."""
+    has = _ops.supports(device) if gpu_kernels is None else gpu_kernels
+    if device.type == "cuda" and has and n_slots > _ops.GPU_MAX_SLOTS:
+        raise ConfigError(f"model.n_slots = {n_slots}: the GPU kernels take at most {_ops.GPU_MAX_SLOTS} card slots; "
+                          f"use a smaller card (model.n_slots; the pool can stay larger, admission picks the card), "
+                          f"or train on the CPU")
 
 
 def resolve_device(name: str) -> torch.device:

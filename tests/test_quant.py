@@ -1,0 +1,426 @@
+"""Quantized expert weights (minagi/moe/quant.py, issue 52): the format and its errors, save / load /
+.to, the qgrouped_mm op against its twin (every x86 path, in a subprocess per MINAGI_CPU_ISA level),
+opcheck, and expert_mlp with QuantizedWeights against expert_mlp with the float weights they stand
+for (every form, both layouts, int8 and int4, decode and prefill sizes; gradients of x and the
+gates; torch.compile with no graph break)."""
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minagi import expert_mlp
+
+from minagi.moe import ops, reference
+from minagi.quant import QuantizedWeight, quantize
+
+from cases import random_routing
+from conftest import EXT, assert_close, requires_ext
+
+FORMATS = {  # name: (bits, group_size)
+    "int8": (8, None),
+    "int8_g32": (8, 32),
+    "int4_g32": (4, 32),
+    "int4_g128": (4, 128),
+}
+FORMS = ["gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai", "callable"]
+GATED = ("swiglu", "swiglu_interleaved", "swiglu_oai", "callable")
+
+
+def _act(form):
+    if form == "callable":  # a model's own gate: gate * up from halves, through tanh
+        return lambda h: torch.tanh(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:]
+    return form
+
+
+# ---------------------------------------------------------------- the format
+
+def test_int8_storage_is_output_major_with_one_scale_per_channel():
+    w = torch.randn(3, 40, 24)
+    qw = quantize(w, bits=8)
+    assert qw.q.dtype == torch.int8 and tuple(qw.q.shape) == (3, 24, 40) and qw.q.is_contiguous()
+    assert tuple(qw.scale.shape) == (3, 24) and qw.scale.dtype == torch.bfloat16
+    assert qw.shape == w.shape and qw.dtype == torch.float32 and qw.device == w.device and qw.dim() == 3
+    want = (qw.q.float() * qw.scale.float().unsqueeze(-1)).mT
+    assert torch.equal(qw.dequantize(), want)  # exactly value * stored scale
+    # The largest magnitude of each channel maps to -128 (-127 where the rounded scale grew).
+    at_peak = w.abs().argmax(1).unsqueeze(-1)
+    assert ((qw.q.gather(2, at_peak) == -128) | (qw.q.gather(2, at_peak) == -127)).all()
+    q32 = quantize(w, bits=8, scale_dtype=torch.float32)
+    assert (q32.q.gather(2, at_peak) == -128).all()
+    assert qw.nbytes == 3 * 24 * 40 + 3 * 24 * 2
+
+
+def test_int4_packing_order_is_llama_cpps():
+    # One channel of 32 inputs with values -8..7 then 7..-8: byte j holds input j in its low
+    # nibble and input j + 16 in its high nibble, each the value + 8.
+    values = torch.tensor(list(range(-8, 8)) + list(range(7, -9, -1)), dtype=torch.float32)
+    w = values.view(1, 32, 1) * 0.5
+    qw = quantize(w, bits=4, group_size=32, scale_dtype=torch.float32)
+    assert float(qw.scale) == 0.5  # -8 * 0.5 is the peak: scale = peak / -8 ... with the sign of -8's weight
+    lo, hi = values[:16] + 8, values[16:] + 8
+    assert torch.equal(qw.q.view(16), (lo + 16 * hi).to(torch.uint8))
+    assert torch.equal(qw.dequantize(), w)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_takes_both_layouts_and_rounds_to_nearest(fmt, scale_dtype):
+    bits, group = FORMATS[fmt]
+    w = torch.randn(2, 256, 48)
+    qw = quantize(w, bits, group, scale_dtype=scale_dtype)
+    qm = quantize(w.mT.contiguous().mT, bits, group, scale_dtype=scale_dtype)  # an [S, out, in] weight's .mT view
+    assert torch.equal(qw.q, qm.q) and torch.equal(qw.scale, qm.scale)
+    g = group or 256
+    step = qw.scale.float().abs().reshape(2, 48, -1).repeat_interleave(g, -1).mT  # [S, in, out]
+    err = (qw.dequantize() - w).abs()
+    # Half a step, or a whole one on the clipped side (the peak maps to -2^(bits-1), +2^(bits-1) - 1 is the top).
+    assert (err <= step * 1.0001).all()
+    assert (err <= step * 0.5001).float().mean() > 0.95
+
+
+def test_quantize_keeps_the_float_dtype_and_handles_zeros():
+    w = torch.zeros(1, 64, 4, dtype=torch.bfloat16)
+    w[0, :, 1] = 1.0
+    qw = quantize(w, bits=4, group_size=32)
+    assert qw.dtype == torch.bfloat16 and qw.dequantize().dtype == torch.bfloat16
+    assert torch.equal(qw.dequantize(), w)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((torch.randn(2, 64, 8),), {"bits": 3}, "bits must be 8 or 4"),
+    ((torch.randn(2, 64, 8),), {"bits": 4}, "int4 needs a group_size"),
+    ((torch.randn(2, 96, 8),), {"bits": 4, "group_size": 64}, r"input dimension \(96\) is not divisible by group_size 64"),
+    ((torch.randn(2, 64, 8),), {"bits": 4, "group_size": 48}, "multiple of 32"),
+    ((torch.randn(2, 64, 8),), {"bits": 8, "group_size": 0}, "multiple of 32"),
+    ((torch.randint(0, 5, (2, 64, 8)),), {"bits": 8}, "must be a floating-point tensor"),
+    ((torch.randn(64, 8),), {"bits": 8}, r"must be \[S, in, out\]"),
+    ((torch.randn(2, 64, 8),), {"bits": 8, "scale_dtype": torch.int8}, "scale_dtype must be"),
+])
+def test_quantize_names_the_problem(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(*args, **kwargs)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        quantize([[1.0]], bits=8)
+
+
+def test_the_class_checks_its_storage():
+    qw = quantize(torch.randn(2, 64, 8), bits=4, group_size=32)
+    with pytest.raises(ValueError, match="scale must be a contiguous"):
+        QuantizedWeight(qw.q, qw.scale[:, :, :1].contiguous(), 4, 32, torch.float32)
+    with pytest.raises(ValueError, match="int4 stores q"):
+        QuantizedWeight(qw.q.view(torch.int8), qw.scale, 4, 32, torch.float32)
+    with pytest.raises(ValueError, match="dtype .* must be a floating dtype"):
+        QuantizedWeight(qw.q, qw.scale, 4, 32, torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_g32"])
+def test_save_load_weights_only_and_to(fmt, tmp_path):
+    bits, group = FORMATS[fmt]
+    qw = quantize(torch.randn(3, 64, 16), bits, group)
+    path = tmp_path / "w.pt"
+    torch.save({"w_in": qw, "other": torch.ones(2)}, path)
+    back = torch.load(path, weights_only=True)["w_in"]
+    assert isinstance(back, QuantizedWeight)
+    assert torch.equal(back.q, qw.q) and torch.equal(back.scale, qw.scale)
+    assert (back.bits, back.group_size, back.dtype) == (qw.bits, qw.group_size, qw.dtype)
+    assert torch.equal(back.dequantize(), qw.dequantize())
+    buf = io.BytesIO()
+    torch.save(qw, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=True).q, qw.q)
+    bf = qw.to(torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and bf.q is qw.q and torch.equal(bf.dequantize(), qw.dequantize().bfloat16())
+    moved = qw.to("cpu")
+    assert moved.device.type == "cpu" and torch.equal(moved.dequantize(), qw.dequantize())
+    assert qw.to(device="cpu", dtype=torch.float64).dtype == torch.float64
+    with pytest.raises(ValueError, match="floating dtype"):
+        qw.to(torch.int32)
+    assert "int4" in repr(quantize(torch.randn(1, 32, 2), 4, 32)) and "per output channel" in repr(quantize(
+        torch.randn(1, 32, 2), 8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible to torch")
+def test_to_a_gpu_and_back():
+    qw = quantize(torch.randn(3, 64, 16), 4, 32)
+    g = qw.to("cuda")
+    assert g.device.type == "cuda" and g.q.is_cuda and g.scale.is_cuda
+    assert torch.equal(g.cpu().q, qw.q)
+
+
+def test_no_weight_gradient():
+    qw = quantize(torch.randn(4, 16, 8), bits=8)
+    with pytest.raises(ValueError, match="takes no gradient"):
+        qw.requires_grad_()
+    assert qw.requires_grad_(False) is qw and not qw.requires_grad
+    x, idx, gates = torch.randn(5, 16), random_routing(5, 4, 2), torch.rand(5, 2)
+    w_out = torch.randn(4, 8, 16)
+    bad = QuantizedWeight(qw.q, qw.scale.clone().requires_grad_(), 8, None, torch.float32)
+    with pytest.raises(ValueError, match="w_in is a QuantizedWeight whose scale requires grad; quantized weights take "
+                                         "no gradient"):
+        expert_mlp(x, idx, gates, bad, w_out)
+
+
+def test_expert_mlp_names_a_quantized_weight_of_another_dtype():
+    qw = quantize(torch.randn(4, 16, 8), bits=8)
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="w_in is torch.float32 but x is torch.bfloat16"):
+        expert_mlp(x, random_routing(5, 4, 2), torch.rand(5, 2), qw, torch.randn(4, 8, 16, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="w_in must be a torch.Tensor or a QuantizedWeight"):
+        expert_mlp(x, random_routing(5, 4, 2), torch.rand(5, 2), [1], torch.randn(4, 8, 16))
+
+
+# ---------------------------------------------------------------- the op against its twin
+
+def _plan(N, S, K, seed=0, cap=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = random_routing(N, S, K, 1.0, generator=g)
+    _, order, rows, row_pair, dest = reference.group_plan(idx, S, cap, False)
+    return order, rows, row_pair.shape[0]
+
+
+OP_CASES = [  # (rows per call N, slots S, top_k K, inputs, outputs)
+    (1, 8, 3, 64, 48),  # decode: a row in each of 3 slots
+    (4, 8, 2, 256, 40),  # up to 4 rows a slot
+    (3, 2, 2, 96, 20),  # int8 per channel over 96 inputs (three blocks); two slots with 3 rows
+    (200, 6, 2, 128, 72),  # prefill: tiles
+    (50, 4, 1, 160, 33),  # an odd number of outputs
+]
+
+
+def _op_inputs(fmt, dtype, scale_dtype, case, seed=0):
+    N, S, K, I, O = case
+    bits, group = FORMATS[fmt]
+    if I % (group or 1) or (bits == 4 and I % 32):
+        pytest.skip("the inputs do not divide into the groups")
+    g = torch.Generator().manual_seed(seed)
+    qw = quantize(torch.randn(S, I, O, generator=g), bits, group, scale_dtype=scale_dtype)
+    order, rows, E = _plan(N, S, K, seed)
+    a = torch.randn(E + 3, I, generator=g).to(dtype)  # 3 rows past the ranges: zeros
+    return a, qw, order, rows
+
+
+@requires_ext
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "N{}_S{}_K{}_I{}_O{}".format(*c))
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float16), (torch.float64, torch.float32),
+                                               (torch.float16, torch.float16)])
+def test_qgrouped_mm_matches_twin(compiled, fmt, case, dtype, scale_dtype):
+    a, qw, order, rows = _op_inputs(fmt, dtype, scale_dtype, case)
+    args = (a, qw.q, qw.scale, order, rows, qw.bits, qw.group)
+    got = compiled.qgrouped_mm(*args)
+    want = reference.qgrouped_mm(*args)
+    assert got.dtype == dtype and got.shape == want.shape
+    # The twin multiplies dequantized weights rounded to a's dtype, the kernel unrounded ones.
+    assert_close(got.double(), want.double(), dtype, scale=4)
+    if dtype == torch.float32:  # against the float64 oracle: float32 accumulation only
+        exact = reference.qgrouped_mm(a.double(), qw.q, qw.scale, order, rows, qw.bits, qw.group)
+        assert_close(got.double(), exact, torch.float32, scale=4)
+    assert not got[-3:].any()
+
+
+@requires_ext
+def test_qgrouped_mm_gradient_goes_to_a(compiled):
+    a, qw, order, rows = _op_inputs("int4_g32", torch.float64, torch.float32, (6, 4, 2, 64, 12))
+    a.requires_grad_()
+    torch.autograd.gradcheck(lambda t: compiled.qgrouped_mm(t, qw.q, qw.scale, order, rows, 4, 32), (a,))
+    scale = qw.scale.clone().requires_grad_()
+    y = compiled.qgrouped_mm(a, qw.q, scale, order, rows, 4, 32)
+    with pytest.raises(RuntimeError, match="quantized weights take no gradient"):
+        y.sum().backward()
+
+
+@requires_ext
+@pytest.mark.parametrize("fmt", ["int8", "int4_g32"])
+def test_qgrouped_mm_opcheck(compiled, fmt):
+    a, qw, order, rows = _op_inputs(fmt, torch.float64, torch.bfloat16, OP_CASES[1])
+    a.requires_grad_()
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.minagi.qgrouped_mm, (a, qw.q, qw.scale, order, rows, qw.bits, qw.group),
+                          test_utils=utils)
+
+
+@requires_ext
+def test_qgrouped_mm_names_bad_arguments(compiled):
+    a, qw, order, rows = _op_inputs("int4_g32", torch.float32, torch.bfloat16, OP_CASES[1])
+    q, s = qw.q, qw.scale
+    for args, match in [
+        ((a, q, s, order, rows, 3, 32), "bits must be 8 or 4"),
+        ((a, q.view(torch.int8), s, order, rows, 4, 32), "int4 weights come as q of dtype uint8"),
+        ((a[:, :128], q, s, order, rows, 4, 32), r"must match a's 128 inputs"),
+        ((a, q, s, order, rows, 4, 48), "group_size must be 0"),
+        ((a, q, s, order, rows, 4, 0), "int4 needs a group_size"),
+        ((a, q, s[:, :, :4], order, rows, 4, 32), r"scale must be \[S, out\]"),
+        ((a, q, s.to(torch.int32), order, rows, 4, 32), "scale must be float32, bfloat16 or float16"),
+        ((a, q, s, order, rows * 100, 4, 32), "slot_rows sums to"),
+    ]:
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            compiled.qgrouped_mm(*args)
+
+
+@requires_ext
+def test_cpu_isa_names_a_level():
+    assert torch.ops.minagi.cpu_isa() in ("portable", "avx2", "avx512")
+
+
+def _run_isa(level: str, tests: list[str]):
+    here = Path(__file__).parent
+    env = {**os.environ, "MINAGI_CPU_ISA": level, "MINAGI_REQUIRE_EXT": "1"}
+    probe = subprocess.run([sys.executable, "-c", "import minagi, torch; print(torch.ops.minagi.cpu_isa())"],
+                           capture_output=True, text=True, env=env)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    got = probe.stdout.split()[-1]
+    if got != level:  # the CPU lacks the level: the cap gives what it has
+        pytest.skip(f"this CPU has no {level} (the kernels run at {got})")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        *[f"{here / 'test_quant.py'}::{t}" for t in tests]], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-1500:]
+
+
+@requires_ext
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+def test_every_isa_path_matches_the_twin(level):
+    # The level is read once per process: each runs in its own, with MINAGI_CPU_ISA set.
+    _run_isa(level, ["test_qgrouped_mm_matches_twin", "test_expert_mlp_equals_the_dequantized_weights"])
+
+
+@requires_ext
+@pytest.mark.slow
+def test_an_unknown_isa_level_is_refused():
+    env = {**os.environ, "MINAGI_CPU_ISA": "sse9", "MINAGI_REQUIRE_EXT": "1"}
+    r = subprocess.run([sys.executable, "-c", "import minagi, torch; torch.ops.minagi.cpu_isa()"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "MINAGI_CPU_ISA='sse9' is not a level: use portable, avx2 or avx512" in r.stderr
+
+
+# ---------------------------------------------------------------- expert_mlp
+
+def _problem(form, layout, fmt, N, bias, dtype=torch.float32, S=8, K=3, seed=0):
+    """x, slot_idx, gates (leaves), the quantized weights and the float weights they stand for
+    (in the layout: [S, in, out] contiguous, or the .mT view of [S, out, in])."""
+    bits, group = FORMATS[fmt]
+    D = H = 128 if group == 128 else 64
+    g = torch.Generator().manual_seed(seed + N)
+    h_in = 2 * H if form in GATED else H
+    w_in = torch.randn(S, D, h_in, generator=g) / D ** 0.5 * 2
+    w_out = torch.randn(S, H, D, generator=g) / H ** 0.5
+    if layout == "mT":
+        w_in, w_out = w_in.mT.contiguous().mT, w_out.mT.contiguous().mT
+    qs = [quantize(w.to(dtype), bits, group) for w in (w_in, w_out)]
+    floats = [q.dequantize() if layout == "mT" else q.dequantize().contiguous() for q in qs]
+    x = torch.randn(N, D, generator=g).to(dtype).requires_grad_()
+    idx = random_routing(N, S, K, 1.0, generator=g)
+    gates = torch.rand(N, K, generator=g).to(dtype).requires_grad_()
+    biases = [(torch.randn(S, n, generator=g) * 0.1).to(dtype) if bias else None for n in (h_in, D)]
+    return x, idx, gates, qs, floats, biases
+
+
+def _check(form, layout, fmt, N, bias=False, path="auto", grad=True, dtype=torch.float32, **kw):
+    x, idx, gates, qs, floats, (b_in, b_out) = _problem(form, layout, fmt, N, bias, dtype)
+    call = dict(activation=_act(form), b_in=b_in, b_out=b_out, path=path, **kw)
+    with torch.set_grad_enabled(grad):
+        y = expert_mlp(x, idx, gates, *qs, **call)
+        want = expert_mlp(x, idx, gates, *floats, **call)
+    assert_close(y, want, dtype, scale=4, msg=f"{form} {layout} {fmt} N={N} forward")
+    if grad:
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        got = torch.autograd.grad(y, (x, gates), gy)
+        exp = torch.autograd.grad(want, (x, gates), gy)
+        for name, a, b in zip(("x", "gates"), got, exp):
+            assert_close(a, b, dtype, scale=8, msg=f"{form} {layout} {fmt} N={N} grad of {name}")
+
+
+# The fast tier: each form once, the formats, layouts and sizes spread over them.
+FAST = [(form, ("contig", "mT")[i % 2], list(FORMATS)[i % 4], (1, 4, 64, 600)[i % 4]) for i, form in enumerate(FORMS)]
+
+
+@pytest.mark.parametrize("form,layout,fmt,N", FAST)
+def test_expert_mlp_equals_the_dequantized_weights(form, layout, fmt, N):
+    _check(form, layout, fmt, N, bias=form in ("swiglu_oai", "relu2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("N", [1, 4, 64, 600])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("layout", ["contig", "mT"])
+@pytest.mark.parametrize("form", FORMS)
+def test_expert_mlp_every_form_layout_format_and_size(form, layout, fmt, N):
+    _check(form, layout, fmt, N, bias=N % 2 == 0)
+
+
+@pytest.mark.parametrize("N", [1, 4, 64])
+def test_expert_mlp_without_a_gradient(N):
+    # Inference: the decode sizes and the first layer take other routes without a gradient.
+    _check("swiglu", "mT", "int4_g32", N, bias=True, grad=False)
+    _check("gelu", "contig", "int8", N, grad=False)
+
+
+@pytest.mark.parametrize("path", ["rectangle", "grouped"] + (["compiled"] if EXT else []))
+def test_expert_mlp_every_path(path):
+    _check("swiglu", "mT", "int4_g32", 40, bias=True, path=path)
+
+
+@pytest.mark.parametrize("kw", [dict(capacity_factor=0.5), dict(out_of_range_slots="skip")])
+def test_expert_mlp_capacity_and_skipped_ids(kw):
+    x, idx, gates, qs, floats, _ = _problem("swiglu", "mT", "int8", 50, False)
+    if "out_of_range_slots" in kw:
+        idx = idx.clone()
+        idx[::3, 0] = 8 + 2  # experts held elsewhere
+    y = expert_mlp(x, idx, gates, *qs, activation="swiglu", **kw)
+    want = expert_mlp(x, idx, gates, *floats, activation="swiglu", **kw)
+    assert_close(y, want, scale=4)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, gates)), torch.autograd.grad(want.sum(), (x, gates))):
+        assert_close(a, b, scale=8)
+
+
+def test_expert_mlp_mixes_a_quantized_and_a_float_weight():
+    x, idx, gates, qs, floats, _ = _problem("silu", "contig", "int4_g32", 30, False)
+    for w_in, w_out in ((qs[0], floats[1]), (floats[0], qs[1])):
+        y = expert_mlp(x, idx, gates, w_in, w_out, activation="silu")
+        assert_close(y, expert_mlp(x, idx, gates, *floats, activation="silu"), scale=4)
+
+
+@pytest.mark.parametrize("N", [1, 64])
+def test_expert_mlp_bfloat16(N):
+    x, idx, gates, qs, floats, _ = _problem("swiglu", "mT", "int4_g32", N, False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = expert_mlp(x, idx, gates, *qs, activation="swiglu")
+        want = expert_mlp(x.float(), idx, gates.float(), *[f.float() for f in floats], activation="swiglu")
+    assert_close(y.float(), want, torch.bfloat16, scale=2)
+
+
+@requires_ext
+@pytest.mark.slow
+@pytest.mark.parametrize("form,fmt,N", [("swiglu", "int4_g32", 3), ("gelu", "int8", 40), ("callable", "int4_g128", 17)])
+def test_compiles_whole_and_equals_eager(form, fmt, N):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x, idx, gates, qs, _, (b_in, b_out) = _problem(form, "mT", fmt, N, True)
+
+    def fn(x, idx, gates, w_in, w_out, b_in, b_out):
+        return expert_mlp(x, idx, gates, w_in, w_out, activation=_act(form), b_in=b_in, b_out=b_out)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    y = compiled(x, idx, gates, *qs, b_in, b_out)  # fullgraph: a graph break raises
+    assert sum(counters["graph_break"].values()) == 0
+    want = fn(x, idx, gates, *qs, b_in, b_out)
+    assert_close(y, want, scale=4)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, gates)), torch.autograd.grad(want.sum(), (x, gates))):
+        assert_close(a, b, scale=8)
+    x2, idx2, gates2, _, _, _ = _problem(form, "mT", fmt, N + 5, True)  # another N: the same graph
+    assert_close(compiled(x2, idx2, gates2, *qs, b_in, b_out), fn(x2, idx2, gates2, *qs, b_in, b_out), scale=4)
+
+
+def test_the_twin_is_dequantize_then_grouped_mm():
+    a, qw, order, rows = _op_inputs("int4_g128", torch.float32, torch.bfloat16, OP_CASES[3])
+    want = reference.grouped_mm(a, qw.dequantize(), order, rows)
+    assert torch.equal(reference.qgrouped_mm(a, qw.q, qw.scale, order, rows, 4, 128), want)
+    assert ops.REFERENCE.qgrouped_mm is reference.qgrouped_mm

@@ -39,8 +39,6 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(_WIN32)
 #define MINAGI_QUANT_X86 1
 #include <immintrin.h>
-#define MINAGI_AVX2_FMA __attribute__((target("avx2,fma")))
-#define MINAGI_AVX512_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 // GCC's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* values.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -56,13 +54,25 @@ constexpr int64_t kBlock = 32;  // int4's packing block: 32 inputs in 16 bytes, 
 
 // ---------------------------------------------------------------- portable
 
-// One 32-input block of an output channel's values (int8: 32 bytes; int4: 16 bytes, input j in
-// byte j's low nibble and input j + 16 in its high one, each nibble the value + 8).
+// A scale as acc_t, from float32, bfloat16 (its bits as uint16_t) or float16 (c10::Half).
+template <typename acc_t, typename S>
+inline acc_t scale_as(const S* s, int64_t i) {
+  if constexpr (std::is_same_v<S, uint16_t>) {
+    const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return static_cast<acc_t>(f);
+  } else {
+    return static_cast<acc_t>(static_cast<float>(s[i]));
+  }
+}
+
+// One 32-input block of a channel's values (int8: 32 bytes; int4: 16 bytes, input j in byte j's
+// low nibble and input j + 16 in its high one, each nibble the value + 8).
 template <int bits, typename acc_t>
 inline void unpack_block(const uint8_t* q, acc_t* w) {
   if constexpr (bits == 8) {
-    const int8_t* v = reinterpret_cast<const int8_t*>(q);
-    for (int j = 0; j < 32; ++j) w[j] = static_cast<acc_t>(v[j]);
+    for (int j = 0; j < 32; ++j) w[j] = static_cast<acc_t>(static_cast<int8_t>(q[j]));
   } else {
     for (int j = 0; j < 16; ++j) {
       w[j] = static_cast<acc_t>(static_cast<int>(q[j] & 15) - 8);
@@ -71,233 +81,206 @@ inline void unpack_block(const uint8_t* q, acc_t* w) {
   }
 }
 
-// y[r] = sum_i x[r * ldx + i] * value_i * s[i / gs] over K inputs of one output channel, r < nr.
-// gs = K for one scale per channel (int8 only; K then need not be a multiple of 32).
-template <int bits, typename acc_t>
-void qdot_portable(const acc_t* x, int64_t ldx, int nr, const uint8_t* q, const acc_t* s, int64_t K, int64_t gs,
-                   acc_t* y) {
+// The portable build of quant_kernels.h's qdot8 / qdot4 (same arguments; acc_t float or double).
+template <int bits, typename acc_t, typename S>
+void qdot_portable(const acc_t* x, int nr, const uint8_t* q, int64_t q_row, const S* s, int64_t G, int64_t K,
+                   int64_t gs, int64_t nch, acc_t* y, int64_t ldy) {
   acc_t w[32];
-  for (int r = 0; r < nr; ++r) y[r] = 0;
-  for (int64_t g0 = 0; g0 < K; g0 += gs) {
-    const int64_t g1 = std::min(K, g0 + gs);
-    acc_t part[kSmallRows] = {};
-    int64_t i = g0;
-    for (; i + kBlock <= g1; i += kBlock) {
-      unpack_block<bits>(q + (bits == 8 ? i : i / 2), w);
-      for (int r = 0; r < nr; ++r) {
-        const acc_t* xr = x + r * ldx + i;
-        acc_t sum = 0;
-        for (int j = 0; j < 32; ++j) sum += xr[j] * w[j];
-        part[r] += sum;
+  for (int64_t c = 0; c < nch; ++c) {
+    const uint8_t* qc = q + c * q_row;
+    acc_t sum[kSmallRows] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t g1 = (g + 1) * gs;
+      acc_t part[kSmallRows] = {};
+      int64_t i = g * gs;
+      for (; i + 32 <= g1; i += 32) {
+        unpack_block<bits>(qc + (bits == 8 ? i : i / 2), w);
+        for (int r = 0; r < nr; ++r) {
+          const acc_t* xr = x + r * K + i;
+          acc_t dot = 0;
+          for (int j = 0; j < 32; ++j) dot += xr[j] * w[j];
+          part[r] += dot;
+        }
       }
+      for (; i < g1; ++i) {  // int8 with one scale per channel: the inputs past the last block
+        const acc_t v = static_cast<acc_t>(static_cast<int8_t>(qc[i]));
+        for (int r = 0; r < nr; ++r) part[r] += x[r * K + i] * v;
+      }
+      const acc_t sc = scale_as<acc_t>(s, c * G + g);
+      for (int r = 0; r < nr; ++r) sum[r] += part[r] * sc;
     }
-    for (; i < g1; ++i) {  // int8 with one scale per channel: the inputs past the last block
-      const acc_t v = static_cast<acc_t>(reinterpret_cast<const int8_t*>(q)[i]);
-      for (int r = 0; r < nr; ++r) part[r] += x[r * ldx + i] * v;
-    }
-    const acc_t sc = s[g0 / gs];
-    for (int r = 0; r < nr; ++r) y[r] += part[r] * sc;
+    for (int r = 0; r < nr; ++r) y[r * ldy + c] = sum[r];
   }
 }
 
-// out[i] = value_i * s[i / gs]: one output channel's float weights, for the tile.
-template <int bits, typename acc_t>
-void dequant_portable(const uint8_t* q, const acc_t* s, int64_t K, int64_t gs, acc_t* out) {
-  for (int64_t g0 = 0; g0 < K; g0 += gs) {
+template <int bits, typename acc_t, typename S>
+void dequant_portable(const uint8_t* q, const S* s, int64_t K, int64_t gs, acc_t* out) {
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += gs, ++g) {
     const int64_t g1 = std::min(K, g0 + gs);
-    const acc_t sc = s[g0 / gs];
+    const acc_t sc = scale_as<acc_t>(s, g);
     int64_t i = g0;
-    for (; i + kBlock <= g1; i += kBlock) {
+    for (; i + 32 <= g1; i += 32) {
       unpack_block<bits>(q + (bits == 8 ? i : i / 2), out + i);
       for (int j = 0; j < 32; ++j) out[i + j] *= sc;
     }
-    for (; i < g1; ++i) out[i] = static_cast<acc_t>(reinterpret_cast<const int8_t*>(q)[i]) * sc;
+    for (; i < g1; ++i) out[i] = static_cast<acc_t>(static_cast<int8_t>(q[i])) * sc;
   }
 }
+
+}  // namespace
 
 #ifdef MINAGI_QUANT_X86
 
 // ---------------------------------------------------------------- AVX2 + FMA
 
-MINAGI_AVX2_FMA inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// 8 int8 values from 8 bytes, as floats.
-MINAGI_AVX2_FMA inline __m256 i8x8_ps(__m128i v8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v8)); }
-
-// One 32-input block as four vectors of 8 floats (inputs 0-7, 8-15, 16-23, 24-31).
-template <int bits>
-MINAGI_AVX2_FMA inline void block_avx2(const uint8_t* q, __m256 w[4]) {
-  if constexpr (bits == 8) {
-    for (int u = 0; u < 4; ++u) w[u] = i8x8_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * u)));
-  } else {
-    const __m128i m0f = _mm_set1_epi8(0x0F), m8 = _mm_set1_epi8(8);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m0f), m8);
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m0f), m8);
-    w[0] = i8x8_ps(lo);
-    w[1] = i8x8_ps(_mm_unpackhi_epi64(lo, lo));
-    w[2] = i8x8_ps(hi);
-    w[3] = i8x8_ps(_mm_unpackhi_epi64(hi, hi));
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace quant_avx2 {
+namespace {
+struct V {
+  using reg = __m256;
+  using ireg = __m256i;
+  static constexpr int L = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static reg set1(float v) { return _mm256_set1_ps(v); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg fnma(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static ireg u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static ireg i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static ireg and_15(ireg v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+  static ireg srl4(ireg v) { return _mm256_srli_epi32(v, 4); }
+  static reg to_float(ireg v) { return _mm256_cvtepi32_ps(v); }
+  static reg bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-}
-
-// qdot_portable's sums for R rows. Each row keeps U chains of 8 lanes, enough independent FMAs to
-// hide their latency. Within a group the products are summed unscaled and the group's sum is
-// scaled once (one scale per channel: a single group).
-template <int bits, int R>
-MINAGI_AVX2_FMA void qdot_avx2(const float* x, int64_t ldx, const uint8_t* q, const float* s, int64_t K, int64_t gs,
-                               float* y) {
-  constexpr int U = R <= 2 ? 4 : 2;
-  __m256 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
-  float tail[R] = {};
-  for (int64_t g0 = 0; g0 < K; g0 += gs) {
-    const int64_t g1 = std::min(K, g0 + gs);
-    __m256 part[R][U];
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) part[r][u] = _mm256_setzero_ps();
-    int64_t i = g0;
-    for (; i + kBlock <= g1; i += kBlock) {
-      __m256 w[4];
-      block_avx2<bits>(q + (bits == 8 ? i : i / 2), w);
-      for (int u = 0; u < 4; ++u)
-        for (int r = 0; r < R; ++r)
-          part[r][u % U] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i + 8 * u), w[u], part[r][u % U]);
-    }
-    if constexpr (bits == 8) {  // one scale per channel: the inputs past the last block
-      for (; i + 8 <= g1; i += 8) {
-        const __m256 w = i8x8_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
-        for (int r = 0; r < R; ++r) part[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i), w, part[r][0]);
-      }
-      for (; i < g1; ++i) {
-        const float v = static_cast<float>(reinterpret_cast<const int8_t*>(q)[i]);
-        for (int r = 0; r < R; ++r) tail[r] += x[r * ldx + i] * v;
-      }
-    }
-    const __m256 sc = _mm256_set1_ps(s[g0 / gs]);
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm256_fmadd_ps(part[r][u], sc, acc[r][u]);
+  static float hsum(reg v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
   }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[r][u]);
-    y[r] = hsum256(t) + tail[r] * s[0];  // a tail only where one scale covers the channel
-  }
-}
-
-template <int bits>
-MINAGI_AVX2_FMA void dequant_avx2(const uint8_t* q, const float* s, int64_t K, int64_t gs, float* out) {
-  for (int64_t g0 = 0; g0 < K; g0 += gs) {
-    const int64_t g1 = std::min(K, g0 + gs);
-    const __m256 sc = _mm256_set1_ps(s[g0 / gs]);
-    int64_t i = g0;
-    for (; i + kBlock <= g1; i += kBlock) {
-      __m256 w[4];
-      block_avx2<bits>(q + (bits == 8 ? i : i / 2), w);
-      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(out + i + 8 * u, _mm256_mul_ps(w[u], sc));
-    }
-    for (; i < g1; ++i) out[i] = static_cast<float>(reinterpret_cast<const int8_t*>(q)[i]) * s[g0 / gs];
-  }
-}
+};
+#include "quant_kernels.h"
+}  // namespace
+}  // namespace quant_avx2
+#pragma GCC pop_options
 
 // ---------------------------------------------------------------- AVX-512
 
-// One 32-input block as two vectors of 16 floats (inputs 0-15, 16-31).
-template <int bits>
-MINAGI_AVX512_QUANT inline void block_avx512(const uint8_t* q, __m512 w[2]) {
-  if constexpr (bits == 8) {
-    for (int u = 0; u < 2; ++u) {
-      w[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * u))));
-    }
-  } else {
-    const __m128i m0f = _mm_set1_epi8(0x0F), m8 = _mm_set1_epi8(8);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(v, m0f), m8)));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m0f), m8)));
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+namespace quant_avx512 {
+namespace {
+struct V {
+  using reg = __m512;
+  using ireg = __m512i;
+  static constexpr int L = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static reg set1(float v) { return _mm512_set1_ps(v); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg fnma(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static ireg u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static ireg i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static ireg and_15(ireg v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+  static ireg srl4(ireg v) { return _mm512_srli_epi32(v, 4); }
+  static reg to_float(ireg v) { return _mm512_cvtepi32_ps(v); }
+  static reg bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-}
-
-template <int bits, int R>
-MINAGI_AVX512_QUANT void qdot_avx512(const float* x, int64_t ldx, const uint8_t* q, const float* s, int64_t K,
-                                     int64_t gs, float* y) {
-  constexpr int U = R <= 2 ? 4 : 2;  // chains a row; a block feeds two of them
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  float tail[R] = {};
-  for (int64_t g0 = 0; g0 < K; g0 += gs) {
-    const int64_t g1 = std::min(K, g0 + gs);
-    __m512 part[R][U];
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) part[r][u] = _mm512_setzero_ps();
-    int64_t i = g0;
-    int flip = 0;  // alternate the blocks between the chain pairs
-    for (; i + kBlock <= g1; i += kBlock, flip ^= (U == 4 ? 2 : 0)) {
-      __m512 w[2];
-      block_avx512<bits>(q + (bits == 8 ? i : i / 2), w);
-      for (int u = 0; u < 2; ++u)
-        for (int r = 0; r < R; ++r)
-          part[r][u + flip] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + i + 16 * u), w[u], part[r][u + flip]);
-    }
-    if constexpr (bits == 8) {
-      for (; i < g1; ++i) {
-        const float v = static_cast<float>(reinterpret_cast<const int8_t*>(q)[i]);
-        for (int r = 0; r < R; ++r) tail[r] += x[r * ldx + i] * v;
-      }
-    }
-    const __m512 sc = _mm512_set1_ps(s[g0 / gs]);
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_fmadd_ps(part[r][u], sc, acc[r][u]);
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 t = acc[r][0];
-    for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, acc[r][u]);
-    y[r] = _mm512_reduce_add_ps(t) + tail[r] * s[0];
-  }
-}
+  static float hsum(reg v) { return _mm512_reduce_add_ps(v); }
+};
+#include "quant_kernels.h"
+}  // namespace
+}  // namespace quant_avx512
+#pragma GCC pop_options
 
 #endif  // MINAGI_QUANT_X86
 
+namespace {
+
 // ---------------------------------------------------------------- the kernels picked at run time
 
-using DotFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, int64_t, float*);
-using DequantFn = void (*)(const uint8_t*, const float*, int64_t, int64_t, float*);
+// float32's kernels of one level, for float32 scales [0] and bfloat16 scales [1] (float16 scales
+// are converted to float32 first): dot[bits == 4][scales][long groups][rows - 1] (long groups: 4
+// chains a row, else 2, enough for a 32-input group), dequant[bits == 4][scales].
+using DotFn = void (*)(const float*, float*, const uint8_t*, int64_t, const void*, int64_t, int64_t, int64_t,
+                       int64_t, float*, int64_t);
+using DequantFn = void (*)(const uint8_t*, const void*, int64_t, int64_t, float*);
 
-template <int bits, int R>
-void qdot_portable_f32(const float* x, int64_t ldx, const uint8_t* q, const float* s, int64_t K, int64_t gs,
-                       float* y) {
-  qdot_portable<bits, float>(x, ldx, R, q, s, K, gs, y);
-}
-
-template <int bits>
-void dequant_portable_f32(const uint8_t* q, const float* s, int64_t K, int64_t gs, float* out) {
-  dequant_portable<bits, float>(q, s, K, gs, out);
-}
-
-// The float32 kernels of one ISA level: dot[rows - 1] and dequant, for int8 and int4.
 struct F32Kernels {
-  DotFn dot8[kSmallRows], dot4[kSmallRows];
-  DequantFn dequant8, dequant4;
+  DotFn dot[2][2][2][kSmallRows];
+  DequantFn dequant[2][2];
 };
 
-#define MINAGI_DOTS(fn, bits) {&fn<bits, 1>, &fn<bits, 2>, &fn<bits, 3>, &fn<bits, 4>}
+template <auto fn, typename S>
+void dot_as(const float* x, float* work, const uint8_t* q, int64_t q_row, const void* s, int64_t G, int64_t K,
+            int64_t gs, int64_t nch, float* y, int64_t ldy) {
+  fn(x, work, q, q_row, static_cast<const S*>(s), G, K, gs, nch, y, ldy);
+}
+
+template <auto fn, typename S>
+void dequant_as(const uint8_t* q, const void* s, int64_t K, int64_t gs, float* out) {
+  fn(q, static_cast<const S*>(s), K, gs, out);
+}
+
+template <int bits, int R, int U, typename S>
+void qdot_portable_f32(const float* x, float*, const uint8_t* q, int64_t q_row, const S* s, int64_t G, int64_t K,
+                       int64_t gs, int64_t nch, float* y, int64_t ldy) {
+  qdot_portable<bits, float, S>(x, R, q, q_row, s, G, K, gs, nch, y, ldy);
+}
+template <int R, int U, typename S>
+void qdot8_portable_f32(const float* x, float* w, const uint8_t* q, int64_t q_row, const S* s, int64_t G, int64_t K,
+                        int64_t gs, int64_t nch, float* y, int64_t ldy) {
+  qdot_portable_f32<8, R, U, S>(x, w, q, q_row, s, G, K, gs, nch, y, ldy);
+}
+template <int R, int U, typename S>
+void qdot4_portable_f32(const float* x, float* w, const uint8_t* q, int64_t q_row, const S* s, int64_t G, int64_t K,
+                        int64_t gs, int64_t nch, float* y, int64_t ldy) {
+  qdot_portable_f32<4, R, U, S>(x, w, q, q_row, s, G, K, gs, nch, y, ldy);
+}
+
+template <int bits, typename S>
+void dequant_portable_f32(const uint8_t* q, const S* s, int64_t K, int64_t gs, float* out) {
+  dequant_portable<bits, float, S>(q, s, K, gs, out);
+}
+
 static_assert(kSmallRows == 4, "the tables below list the row counts 1..kSmallRows");
+#define MINAGI_ROWS(fn, U, S) \
+  { &dot_as<&fn<1, U, S>, S>, &dot_as<&fn<2, U, S>, S>, &dot_as<&fn<3, U, S>, S>, &dot_as<&fn<4, U, S>, S> }
+#define MINAGI_DOTS(fn8, fn4)                                                                             \
+  {                                                                                                       \
+    {{MINAGI_ROWS(fn8, 2, float), MINAGI_ROWS(fn8, 4, float)},                                            \
+     {MINAGI_ROWS(fn8, 2, uint16_t), MINAGI_ROWS(fn8, 4, uint16_t)}},                                     \
+    {                                                                                                     \
+      {MINAGI_ROWS(fn4, 2, float), MINAGI_ROWS(fn4, 4, float)}, {                                         \
+        MINAGI_ROWS(fn4, 2, uint16_t), MINAGI_ROWS(fn4, 4, uint16_t)                                      \
+      }                                                                                                   \
+    }                                                                                                     \
+  }
+#define MINAGI_DEQUANTS(fn)                                                                  \
+  {                                                                                          \
+    {&dequant_as<&fn<8, float>, float>, &dequant_as<&fn<8, uint16_t>, uint16_t>}, {          \
+      &dequant_as<&fn<4, float>, float>, &dequant_as<&fn<4, uint16_t>, uint16_t>             \
+    }                                                                                        \
+  }
 
 const F32Kernels& f32_kernels() {
-  static const F32Kernels portable{MINAGI_DOTS(qdot_portable_f32, 8), MINAGI_DOTS(qdot_portable_f32, 4),
-                                   &dequant_portable_f32<8>, &dequant_portable_f32<4>};
+  static const F32Kernels portable{MINAGI_DOTS(qdot8_portable_f32, qdot4_portable_f32),
+                                   MINAGI_DEQUANTS(dequant_portable_f32)};
 #ifdef MINAGI_QUANT_X86
-  static const F32Kernels avx2{MINAGI_DOTS(qdot_avx2, 8), MINAGI_DOTS(qdot_avx2, 4), &dequant_avx2<8>,
-                               &dequant_avx2<4>};
-  // The tile's dequantization is a small share of a prefill's work: AVX2's serves AVX-512 too.
-  static const F32Kernels avx512{MINAGI_DOTS(qdot_avx512, 8), MINAGI_DOTS(qdot_avx512, 4), &dequant_avx2<8>,
-                                 &dequant_avx2<4>};
+  static const F32Kernels avx2{MINAGI_DOTS(quant_avx2::qdot8, quant_avx2::qdot4), MINAGI_DEQUANTS(quant_avx2::dequant)};
+  static const F32Kernels avx512{MINAGI_DOTS(quant_avx512::qdot8, quant_avx512::qdot4),
+                                 MINAGI_DEQUANTS(quant_avx512::dequant)};
   switch (cpu_isa()) {
     case CpuIsa::kAvx512: return avx512;
     case CpuIsa::kAvx2: return avx2;
@@ -307,7 +290,9 @@ const F32Kernels& f32_kernels() {
   return portable;
 #endif
 }
+#undef MINAGI_ROWS
 #undef MINAGI_DOTS
+#undef MINAGI_DEQUANTS
 
 // ---------------------------------------------------------------- the op
 
@@ -353,11 +338,6 @@ int64_t tile_columns(int64_t K, int64_t M, size_t elem) {
   return std::min(M, std::max<int64_t>(16, cols / 16 * 16));
 }
 
-template <typename scale_t, typename acc_t>
-inline void scales_to(const scale_t* s, int64_t n, acc_t* out) {
-  for (int64_t g = 0; g < n; ++g) out[g] = static_cast<acc_t>(static_cast<float>(s[g]));
-}
-
 // Rows of a (scalar_t) as acc_t, n values.
 template <typename scalar_t, typename acc_t>
 inline void rows_to(const scalar_t* a, int64_t n, acc_t* out) {
@@ -377,63 +357,79 @@ inline void rows_from(const acc_t* v, int64_t n, scalar_t* out) {
   }
 }
 
-template <typename scalar_t, typename scale_t>
+// One call's work over its parts. S: the scales as stored (float, uint16_t for bfloat16's bits,
+// c10::Half).
+template <typename scalar_t, typename S>
 struct QGemm {
   using acc_t = at::opmath_type<scalar_t>;
+  static constexpr bool kF32 = std::is_same_v<acc_t, float>;
+  static constexpr bool kConvert = !std::is_same_v<scalar_t, acc_t>;
+  static constexpr bool kHalfScales = std::is_same_v<S, c10::Half>;
   const scalar_t* a;
   const uint8_t* q;
-  const scale_t* scale;
+  const S* scale;
   scalar_t* out;
   int64_t K, M, bits, gs, G, q_row;  // inputs, outputs, bits, inputs a scale, scales a channel, bytes a channel
-  const F32Kernels* kernels;  // float32's ISA kernels (nullptr: the portable templates in acc_t)
+  const F32Kernels* kernels;         // float32's kernels of the CPU's level
 
-  const uint8_t* channel(int64_t slot, int64_t o) const { return q + (slot * M + o) * q_row; }
-  const scale_t* scales(int64_t slot, int64_t o) const { return scale + (slot * M + o) * G; }
+  const uint8_t* channels(const QPart& p) const { return q + (p.slot * M + p.c0) * q_row; }
+  const S* scales(const QPart& p) const { return scale + (p.slot * M + p.c0) * G; }
 
-  void dot(const acc_t* x, int nr, const uint8_t* qc, const acc_t* s, acc_t* y) const {
-    if constexpr (std::is_same_v<acc_t, float>) {
-      if (kernels) return (bits == 8 ? kernels->dot8 : kernels->dot4)[nr - 1](x, K, qc, s, K, gs, y);
+  // The part's scales as the float32 kernels take them (float32 or bfloat16 as stored; float16
+  // converted to float32 into buf), and which of the two they are.
+  std::pair<const void*, int> kernel_scales(const QPart& p, float* buf) const {
+    if constexpr (kHalfScales) {
+      const S* s = scales(p);
+      for (int64_t i = 0; i < (p.c1 - p.c0) * G; ++i) buf[i] = static_cast<float>(s[i]);
+      return {buf, 0};
+    } else {
+      return {scales(p), std::is_same_v<S, float> ? 0 : 1};
     }
-    bits == 8 ? qdot_portable<8, acc_t>(x, K, nr, qc, s, K, gs, y) : qdot_portable<4, acc_t>(x, K, nr, qc, s, K, gs, y);
-  }
-
-  void dequant(const uint8_t* qc, const acc_t* s, acc_t* w) const {
-    if constexpr (std::is_same_v<acc_t, float>) {
-      if (kernels) return (bits == 8 ? kernels->dequant8 : kernels->dequant4)(qc, s, K, gs, w);
-    }
-    bits == 8 ? dequant_portable<8, acc_t>(qc, s, K, gs, w) : dequant_portable<4, acc_t>(qc, s, K, gs, w);
   }
 
   // A few rows: each channel's bytes read once, every row's dot product from them.
   void stream(const QPart& p) const {
+    const int64_t nch = p.c1 - p.c0, nr = p.nr;
     std::vector<acc_t> own;
-    acc_t* buf = thread_scratch<acc_t>(G + p.nr * K, own);
-    acc_t* s = buf;
+    acc_t* buf = thread_scratch<acc_t>(nr * K + G + nr * G + nr * nch + (kHalfScales ? nch * G : 0), own);
+    acc_t *xs = buf, *work = xs + nr * K, *y = work + G + nr * G, *sbuf = y + nr * nch;
     const acc_t* x = reinterpret_cast<const acc_t*>(a + p.r0 * K);
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      rows_to(a + p.r0 * K, p.nr * K, buf + G);
-      x = buf + G;
+    if constexpr (kConvert) {
+      rows_to(a + p.r0 * K, nr * K, xs);
+      x = xs;
     }
-    acc_t y[kSmallRows];
-    for (int64_t o = p.c0; o < p.c1; ++o) {
-      scales_to(scales(p.slot, o), G, s);
-      dot(x, static_cast<int>(p.nr), channel(p.slot, o), s, y);
-      for (int64_t r = 0; r < p.nr; ++r) out[(p.r0 + r) * M + o] = static_cast<scalar_t>(y[r]);
+    if constexpr (kF32) {
+      const auto [s, kind] = kernel_scales(p, sbuf);
+      kernels->dot[bits == 4][kind][gs > 32][nr - 1](x, work, channels(p), q_row, s, G, K, gs, nch, y, nch);
+    } else if (bits == 8) {
+      qdot_portable<8, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, K, gs, nch, y, nch);
+    } else {
+      qdot_portable<4, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, K, gs, nch, y, nch);
     }
+    for (int64_t r = 0; r < nr; ++r) rows_from(y + r * nch, nch, out + (p.r0 + r) * M + p.c0);
   }
 
   // Many rows: the block's channels dequantized into a tile once, the rows multiplied by it in
   // chunks (converted to acc_t where a is not), through ATen's mm.
   void tile(const QPart& p) const {
     const int64_t nc = p.c1 - p.c0;
-    const int64_t chunk = std::min<int64_t>(p.nr, std::max<int64_t>(16, (int64_t{1} << 20) / (std::max<int64_t>(K, 1) * sizeof(acc_t))));
-    constexpr bool convert = !std::is_same_v<scalar_t, acc_t>;
+    const int64_t chunk =
+        std::min<int64_t>(p.nr, std::max<int64_t>(16, (int64_t{1} << 20) / (std::max<int64_t>(K, 1) * sizeof(acc_t))));
     std::vector<acc_t> own;
-    acc_t* buf = thread_scratch<acc_t>(G + nc * K + chunk * nc + (convert ? chunk * K : 0), own);
-    acc_t *s = buf, *w = buf + G, *y = w + nc * K, *xa = y + chunk * nc;
-    for (int64_t o = p.c0; o < p.c1; ++o) {
-      scales_to(scales(p.slot, o), G, s);
-      dequant(channel(p.slot, o), s, w + (o - p.c0) * K);
+    acc_t* buf = thread_scratch<acc_t>(nc * K + chunk * nc + (kConvert ? chunk * K : 0) + (kHalfScales ? nc * G : 0),
+                                       own);
+    acc_t *w = buf, *y = w + nc * K, *xa = y + chunk * nc, *sbuf = xa + (kConvert ? chunk * K : 0);
+    const uint8_t* qc = channels(p);
+    if constexpr (kF32) {
+      const auto [s, kind] = kernel_scales(p, sbuf);
+      const DequantFn fn = kernels->dequant[bits == 4][kind];
+      const size_t step = (kind == 0 ? sizeof(float) : sizeof(uint16_t)) * G;
+      for (int64_t o = 0; o < nc; ++o) fn(qc + o * q_row, static_cast<const char*>(s) + o * step, K, gs, w + o * K);
+    } else {
+      for (int64_t o = 0; o < nc; ++o) {
+        bits == 8 ? dequant_portable<8, acc_t, S>(qc + o * q_row, scales(p) + o * G, K, gs, w + o * K)
+                  : dequant_portable<4, acc_t, S>(qc + o * q_row, scales(p) + o * G, K, gs, w + o * K);
+      }
     }
     const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
     const at::Tensor wt = at::from_blob(w, {nc, K}, opts).t();
@@ -441,7 +437,7 @@ struct QGemm {
       const int64_t nr = std::min(chunk, p.nr - r);
       const scalar_t* ar = a + (p.r0 + r) * K;
       const acc_t* x = reinterpret_cast<const acc_t*>(ar);
-      if constexpr (convert) {
+      if constexpr (kConvert) {
         rows_to(ar, nr * K, xa);
         x = xa;
       }
@@ -493,17 +489,16 @@ at::Tensor qgrouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& q_in, const
       using acc_t = at::opmath_type<scalar_t>;
       const auto parts = plan_qparts(slot_ids.contiguous(), start, M, tile_columns(K, M, sizeof(acc_t)),
                                      at::get_num_threads());
-      auto run = [&](auto* scale_ptr) {
-        using scale_t = std::remove_const_t<std::remove_pointer_t<decltype(scale_ptr)>>;
-        const QGemm<scalar_t, scale_t> g{a.data_ptr<scalar_t>(), reinterpret_cast<const uint8_t*>(q.data_ptr()),
-                                         scale_ptr, out.data_ptr<scalar_t>(), K, M, bits, gs,
-                                         group_size > 0 ? K / group_size : 1, q.size(2),
-                                         cpu_isa() == CpuIsa::kPortable ? nullptr : &f32_kernels()};
+      auto run = [&](const auto* scale_ptr) {
+        using S = std::remove_const_t<std::remove_pointer_t<decltype(scale_ptr)>>;
+        const QGemm<scalar_t, S> g{a.data_ptr<scalar_t>(), static_cast<const uint8_t*>(q.data_ptr()), scale_ptr,
+                                   out.data_ptr<scalar_t>(), K, M, bits, gs, group_size > 0 ? K / group_size : 1,
+                                   q.size(2), &f32_kernels()};
         run_parts(parts, [&](const QPart& p) { p.nr <= kSmallRows ? g.stream(p) : g.tile(p); });
       };
       switch (scale.scalar_type()) {
         case at::kFloat: return run(scale.data_ptr<float>());
-        case at::kBFloat16: return run(scale.data_ptr<at::BFloat16>());
+        case at::kBFloat16: return run(static_cast<const uint16_t*>(scale.data_ptr()));
         default: return run(scale.data_ptr<at::Half>());
       }
     });

@@ -20,6 +20,7 @@ BENCHES = {
     "ddp": ("ddp", "main", "data (and expert) parallelism on one machine"),
     "repro": ("repro", "main", "bit-reproducible training beside other work, exact resume after a signal"),
     "hf": ("hf", "main", "transformers' experts backends against minagi's"),
+    "quant": ("quant", "main", "quantized experts (int8, int4) against bfloat16 at decode: time, bytes read per second"),
 }
 
 

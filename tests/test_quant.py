@@ -424,3 +424,17 @@ def test_the_twin_is_dequantize_then_grouped_mm():
     want = reference.grouped_mm(a, qw.dequantize(), order, rows)
     assert torch.equal(reference.qgrouped_mm(a, qw.q, qw.scale, order, rows, 4, 128), want)
     assert ops.REFERENCE.qgrouped_mm is reference.qgrouped_mm
+
+
+def test_the_bench_runs_and_reports_every_format(tmp_path):
+    import json
+
+    from minagi.bench import quant as bench
+
+    out = tmp_path / "q.json"
+    assert bench.main(["--quick", "--decode", "1", "--prefill", "16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["format"], r["mode"]) for r in rows} == {(f, m) for f in bench.FORMATS for m in ("decode", "prefill")}
+    for r in rows:
+        assert r["ms"] > 0 and r["mb"] > 0 and r["of_read"] > 0 and r["x_bf16"] > 0
+    assert not bench.fits("gpt_oss", "int4_g128")  # 2,880 inputs: no groups of 128

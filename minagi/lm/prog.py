@@ -21,6 +21,7 @@ BENCHES = {
     "repro": ("repro", "main", "bit-reproducible training beside other work, exact resume after a signal"),
     "shared": ("shared", "main", "training char/s beside busy processes: threads following the free cores, every core, 1"),
     "hf": ("hf", "main", "transformers' experts backends against minagi's"),
+    "quant": ("quant", "main", "quantized experts (int8, int4) against bfloat16 at decode: time, bytes read per second"),
 }
 
 

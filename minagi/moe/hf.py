@@ -16,9 +16,11 @@ calls `minagi.expert_mlp`:
   - any other gate or activation (a model's own `_apply_gate`, another act_fn) and a post-expert
     norm go through the same plan and grouped GEMMs with the module's own function between them;
   - expert parallelism's sentinel ids (>= num_experts) add nothing (out_of_range_slots="skip").
-Where it cannot honour a module (weights that are not plain floating tensors of one dtype, a flag
-of a newer transformers that it does not know), it warns once, naming the model and the flag, and
-runs transformers' grouped_mm instead.
+Where it cannot honour a module (weights that are neither plain floating tensors of one dtype nor
+minagi.quant's, a flag of a newer transformers that it does not know), it warns once, naming the
+model and the flag, and runs transformers' grouped_mm instead.
+
+    minagi.hf.quantize(model, bits=4, group_size=32)  # the experts' weights in int4, in place (inference)
 
 `import minagi.hf` works without transformers; `register()` then says how to install it.
 """

@@ -448,7 +448,7 @@ def test_the_bench_runs_and_reports_every_format(tmp_path):
 def test_without_the_kernel_the_twin_runs_on_the_devices_grouped_mm(monkeypatch):
     # A device without a qgrouped_mm kernel (GPUs today): the twin dequantizes the listed slots
     # and runs the device's compiled grouped_mm; expert_mlp gives the same, gradients included.
-    from minagi import dispatch
+    from minagi.moe import dispatch
 
     a, qw, order, rows = _op_inputs("int4_g32", torch.float32, torch.bfloat16, OP_CASES[3])
     got = reference.qgrouped_mm(a, qw.q, qw.scale, order, rows, 4, 32, ops=ops.compiled())

@@ -389,13 +389,19 @@ def test_expert_mlp_mixes_a_quantized_and_a_float_weight():
         assert_close(y, expert_mlp(x, idx, gates, *floats, activation="silu"), scale=4)
 
 
-@pytest.mark.parametrize("N", [1, 64])
-def test_expert_mlp_bfloat16(N):
-    x, idx, gates, qs, floats, _ = _problem("swiglu", "mT", "int4_g32", N, False, dtype=torch.bfloat16)
+@pytest.mark.parametrize("N", [1, 4, 64])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_expert_mlp_bfloat16(N, fmt):
+    # Against float64 with the weights the kernels multiply (value x scale, exact): no further off
+    # than the bfloat16 path of the float weights (rounded to bfloat16) is.
+    x, idx, gates, qs, floats, _ = _problem("swiglu", "mT", fmt, N, False, dtype=torch.bfloat16)
     with torch.no_grad():
-        y = expert_mlp(x, idx, gates, *qs, activation="swiglu")
-        want = expert_mlp(x.float(), idx, gates.float(), *[f.float() for f in floats], activation="swiglu")
-    assert_close(y.float(), want, torch.bfloat16, scale=2)
+        y = expert_mlp(x, idx, gates, *qs, activation="swiglu").double()
+        y_float = expert_mlp(x, idx, gates, *floats, activation="swiglu").double()
+        want = expert_mlp(x.double(), idx, gates.double(), *[q.to(torch.float64).dequantize() for q in qs],
+                          activation="swiglu")
+    assert_close(y, want, torch.bfloat16, scale=4)
+    assert (y - want).abs().max() <= 2 * (y_float - want).abs().max()
 
 
 @requires_ext
@@ -462,3 +468,25 @@ def test_without_the_kernel_the_twin_runs_on_the_devices_grouped_mm(monkeypatch)
     assert_close(y, want, scale=4)
     for g1, g2 in zip(torch.autograd.grad(y.sum(), (x, gates)), torch.autograd.grad(want.sum(), (x, gates))):
         assert_close(g1, g2, scale=8)
+
+
+@requires_ext
+@pytest.mark.parametrize("fmt", ["int8", "int4_g32", "int4_g128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("outlier", [False, True])
+def test_half_precision_rows_within_their_rounding_of_the_exact_product(compiled, fmt, dtype, outlier):
+    # bfloat16 and float16 rows may go through int16 (a power-of-two scale a row): against the
+    # float64 product of the same rows and weights, the error stays within the output dtype's
+    # rounding, with a feature 1,000 times the others too (its row's small values rounded).
+    a, qw, order, rows = _op_inputs(fmt, torch.float32, torch.bfloat16, (4, 8, 2, 256, 40))
+    if outlier:
+        a[:, 7] *= 1000
+    a = a.to(dtype)
+    got = compiled.qgrouped_mm(a, qw.q, qw.scale, order, rows, qw.bits, qw.group).double()
+    exact = reference.qgrouped_mm(a.double(), qw.q, qw.scale, order, rows, qw.bits, qw.group)
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # one unit in the last place of the result
+    bound = ulp * exact.abs() + 1e-4 * exact.abs().max()
+    assert ((got - exact).abs() <= bound).all(), float(((got - exact).abs() - bound).max())
+    a[0, 3] = float("nan")  # a row with a NaN: the float32 loops, NaN in that row's outputs as the oracle's
+    got = compiled.qgrouped_mm(a, qw.q, qw.scale, order, rows, qw.bits, qw.group)
+    assert torch.equal(got.isnan(), reference.qgrouped_mm(a, qw.q, qw.scale, order, rows, qw.bits, qw.group).isnan())

@@ -10,13 +10,17 @@
 //     the thread's cache and multiplied by ATen's mm (the BLAS), which reuses it for every row.
 // Both compute in float32 (float64 for float64 inputs): value * scale is exact there, so each
 // product equals the dequantize-then-multiply oracle's (minagi/reference.py qgrouped_mm) up to
-// the order of the float32 sums.
+// the order of the float32 sums. bfloat16 and float16 rows stream through int16 instead
+// (rows_as_i16, qdot_i16): each 32-input block of a row as int16 with a power-of-two scale of its
+// own (exact for values within 7 binades (bfloat16) or 4 (float16) of the block's largest), the
+// products summed in int32 by vpmaddwd, two weights an instruction a lane where the float32 loop
+// widens, converts and multiplies each: what lets int4 keep up with memory on AVX2.
 //
 // The inner loops come in three builds, picked once at run time (isa.h cpu_isa: CPUID, capped by
-// MINAGI_CPU_ISA): portable C++, AVX2 + FMA, and AVX-512. They are compiled for the baseline ISA
-// with target attributes (no -march=native), so every x86-64 build carries all three. AVX-512
-// VNNI's integer dot products are not used: they would need the activations quantized to int8 too,
-// which the oracle does not do (results would move by far more than float32 rounding).
+// MINAGI_CPU_ISA): portable C++, AVX2 + FMA, and AVX-512 (whose int16 loops are AVX2's). They are
+// compiled for the baseline ISA inside target regions (no -march=native), so every x86-64 build
+// carries all three. Rows are not quantized to int8 (llama.cpp's Q8 activations, AVX-512 VNNI's
+// vpdpbusd): that moves results by far more than the rounding of a float32 or bfloat16 result.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
@@ -25,8 +29,10 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -166,6 +172,99 @@ struct V {
   }
 };
 #include "quant_kernels.h"
+
+// The rows as int16 (bfloat16 and float16 activations; qdot_i16): y[r * ldy + c] = sum_b xscale[r *
+// K / 32 + b] * sum_{i in block b} x16[r * K + i] * value(c, i) * s[c * G + i / gs], each 32-input
+// block's products summed in int32 by vpmaddwd (two weights an instruction a lane, exact), then
+// converted and scaled once. Groups of 32: each block's scale times the row's block scale, a
+// vector product a channel; longer groups: the blocks' sums scaled by the row's block scales
+// into the group's sum, which is scaled once. int4 multiplies the stored nibbles (value + 8) and
+// takes 8 x sum_g scale_g x (the row's sum over g) off once a channel. Needs K a multiple of 32.
+// work: G + 2 * R * G floats.
+template <int bits, int R, typename S>
+void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_t* q, int64_t q_row, const S* s,
+              int64_t G, int64_t K, int64_t gs, int64_t nch, float* y, int64_t ldy) {
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // chains of group sums: their FMAs' latency
+  const int64_t B = K / 32;
+  float *sf = work, *xs = work + G, *sfx = xs + R * G;
+  if constexpr (bits == 4) {  // each row's sum over each group, its blocks in their own scales
+    for (int r = 0; r < R; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        float t = 0.0f;
+        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
+          int32_t sb = 0;
+          for (int64_t i = b * 32; i < b * 32 + 32; ++i) sb += x16[r * K + i];
+          t += static_cast<float>(sb) * xscale[r * B + b];
+        }
+        xs[r * G + g] = t;
+      }
+    }
+  }
+  for (int64_t c = 0; c < nch; ++c) {
+    const uint8_t* qc = q + c * q_row;
+    scales_f32(s + c * G, G, sf);
+    if (gs == 32) {  // each block's scale times each row's block scale
+      for (int r = 0; r < R; ++r) {
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) {
+          _mm256_storeu_ps(sfx + r * G + g, _mm256_mul_ps(_mm256_loadu_ps(sf + g), _mm256_loadu_ps(xscale + r * B + g)));
+        }
+        for (; g < G; ++g) sfx[r * G + g] = sf[g] * xscale[r * B + g];
+      }
+    }
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    // Pointers stepped along, not indices: the build's -fwrapv keeps GCC from reducing the
+    // index arithmetic, which cost this loop a third of its speed.
+    const uint8_t* qb = qc;
+    const int16_t* xp[R];
+    const float* sp[R];  // each block's scale (groups of 32: sfx; else the row's block scales)
+    for (int r = 0; r < R; ++r) xp[r] = x16 + r * K, sp[r] = gs == 32 ? sfx + r * G : xscale + r * B;
+    const int64_t blocks = gs / 32;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 grp[R];  // the group's sum (longer groups)
+      for (int r = 0; r < R; ++r) grp[r] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < blocks; ++k, qb += bits == 8 ? 32 : 16) {
+        __m256i w0, w1;
+        if constexpr (bits == 8) {
+          w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+          w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)));
+        } else {
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+          w0 = _mm256_and_si256(v, _mm256_set1_epi16(15));
+          w1 = _mm256_srli_epi16(v, 4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i* xr = reinterpret_cast<const __m256i*>(xp[r]);
+          const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
+                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
+          xp[r] += 32;
+          if (gs == 32) {  // one block a group: its scale and the row's block scale, at once
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sp[r]++), acc[r][0]);
+            rotate(acc[r]);
+          } else {
+            grp[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sp[r]++), grp[r]);
+          }
+        }
+      }
+      if (gs != 32) {
+        const __m256 sc = _mm256_set1_ps(sf[g]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][0] = _mm256_fmadd_ps(grp[r], sc, acc[r][0]);
+          rotate(acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 t = acc[r][0];
+      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
+      float sum = V::hsum(t);
+      if constexpr (bits == 4) sum -= 8.0f * dot_f32(sf, xs + r * G, G);
+      y[r * ldy + c] = sum;
+    }
+  }
+}
 }  // namespace
 }  // namespace quant_avx2
 #pragma GCC pop_options
@@ -217,10 +316,22 @@ using DotFn = void (*)(const float*, float*, const uint8_t*, int64_t, const void
                        int64_t, float*, int64_t);
 using DequantFn = void (*)(const uint8_t*, const void*, int64_t, int64_t, float*);
 
+// The int16 rows' kernels (bfloat16 and float16 activations; AVX2, which AVX-512 CPUs have too):
+// i16[bits == 4][scales][rows - 1]; none in the portable build.
+using I16Fn = void (*)(const int16_t*, const float*, float*, const uint8_t*, int64_t, const void*, int64_t, int64_t,
+                       int64_t, int64_t, float*, int64_t);
+
 struct F32Kernels {
   DotFn dot[2][2][2][kSmallRows];
   DequantFn dequant[2][2];
+  I16Fn i16[2][2][kSmallRows];
 };
+
+template <auto fn, typename S>
+void i16_as(const int16_t* x16, const float* xscale, float* work, const uint8_t* q, int64_t q_row, const void* s,
+            int64_t G, int64_t K, int64_t gs, int64_t nch, float* y, int64_t ldy) {
+  fn(x16, xscale, work, q, q_row, static_cast<const S*>(s), G, K, gs, nch, y, ldy);
+}
 
 template <auto fn, typename S>
 void dot_as(const float* x, float* work, const uint8_t* q, int64_t q_row, const void* s, int64_t G, int64_t K,
@@ -267,6 +378,13 @@ static_assert(kSmallRows == 4, "the tables below list the row counts 1..kSmallRo
       }                                                                                                   \
     }                                                                                                     \
   }
+#define MINAGI_I16_ROWS(bits, S)                                                                  \
+  {                                                                                                \
+    &i16_as<&quant_avx2::qdot_i16<bits, 1, S>, S>, &i16_as<&quant_avx2::qdot_i16<bits, 2, S>, S>,  \
+        &i16_as<&quant_avx2::qdot_i16<bits, 3, S>, S>, &i16_as<&quant_avx2::qdot_i16<bits, 4, S>, S> \
+  }
+#define MINAGI_I16S \
+  {{MINAGI_I16_ROWS(8, float), MINAGI_I16_ROWS(8, uint16_t)}, {MINAGI_I16_ROWS(4, float), MINAGI_I16_ROWS(4, uint16_t)}}
 #define MINAGI_DEQUANTS(fn)                                                                  \
   {                                                                                          \
     {&dequant_as<&fn<8, float>, float>, &dequant_as<&fn<8, uint16_t>, uint16_t>}, {          \
@@ -276,11 +394,12 @@ static_assert(kSmallRows == 4, "the tables below list the row counts 1..kSmallRo
 
 const F32Kernels& f32_kernels() {
   static const F32Kernels portable{MINAGI_DOTS(qdot8_portable_f32, qdot4_portable_f32),
-                                   MINAGI_DEQUANTS(dequant_portable_f32)};
+                                   MINAGI_DEQUANTS(dequant_portable_f32), {}};
 #ifdef MINAGI_QUANT_X86
-  static const F32Kernels avx2{MINAGI_DOTS(quant_avx2::qdot8, quant_avx2::qdot4), MINAGI_DEQUANTS(quant_avx2::dequant)};
+  static const F32Kernels avx2{MINAGI_DOTS(quant_avx2::qdot8, quant_avx2::qdot4), MINAGI_DEQUANTS(quant_avx2::dequant),
+                               MINAGI_I16S};
   static const F32Kernels avx512{MINAGI_DOTS(quant_avx512::qdot8, quant_avx512::qdot4),
-                                 MINAGI_DEQUANTS(quant_avx512::dequant)};
+                                 MINAGI_DEQUANTS(quant_avx512::dequant), MINAGI_I16S};
   switch (cpu_isa()) {
     case CpuIsa::kAvx512: return avx512;
     case CpuIsa::kAvx2: return avx2;
@@ -293,6 +412,8 @@ const F32Kernels& f32_kernels() {
 #undef MINAGI_ROWS
 #undef MINAGI_DOTS
 #undef MINAGI_DEQUANTS
+#undef MINAGI_I16_ROWS
+#undef MINAGI_I16S
 
 // ---------------------------------------------------------------- the op
 
@@ -357,6 +478,31 @@ inline void rows_from(const acc_t* v, int64_t n, scalar_t* out) {
   }
 }
 
+// Rows of K floats as int16, each block of 32 inputs with a power-of-two scale of its own:
+// x16 = x * 2^sh, xscale = 2^-sh, the block's largest magnitude at 2^14 to 2^15. bfloat16 and
+// float16 values (at most 11 significant bits) keep every bit where they lie within 7
+// (bfloat16) or 4 (float16) binades of their block's largest, and smaller ones are rounded at
+// 2^-15 of it, well under the rounding of a bfloat16 or float16 result. false where a row holds
+// a NaN or an infinity (the float32 loops take those, so they propagate as the oracle's do).
+inline bool rows_as_i16(const float* x, int64_t nr, int64_t K, int16_t* x16, float* xscale) {
+  for (int64_t b = 0; b < nr * K / 32; ++b) {
+    const float* xb = x + b * 32;
+    float m = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      const float v = std::abs(xb[i]);
+      finite &= v <= std::numeric_limits<float>::max();  // false for NaN too
+      m = std::max(m, v);
+    }
+    if (!finite) return false;
+    const int sh = m > 0.0f ? 14 - std::ilogb(m) : 0;
+    const float up = std::ldexp(1.0f, sh);
+    xscale[b] = std::ldexp(1.0f, -sh);
+    for (int i = 0; i < 32; ++i) x16[b * 32 + i] = static_cast<int16_t>(std::lrintf(xb[i] * up));
+  }
+  return true;
+}
+
 // One call's work over its parts. S: the scales as stored (float, uint16_t for bfloat16's bits,
 // c10::Half).
 template <typename scalar_t, typename S>
@@ -365,6 +511,9 @@ struct QGemm {
   static constexpr bool kF32 = std::is_same_v<acc_t, float>;
   static constexpr bool kConvert = !std::is_same_v<scalar_t, acc_t>;
   static constexpr bool kHalfScales = std::is_same_v<S, c10::Half>;
+  // Rows whose values have at most 11 significant bits (bfloat16's 8, float16's 11): as int16 with
+  // a power-of-two scale a row they lose nothing where a row's exponents span a few binades.
+  static constexpr bool kI16Rows = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
   const scalar_t* a;
   const uint8_t* q;
   const S* scale;
@@ -387,12 +536,16 @@ struct QGemm {
     }
   }
 
-  // A few rows: each channel's bytes read once, every row's dot product from them.
+  // A few rows: each channel's bytes read once, every row's dot product from them. bfloat16 and
+  // float16 rows go through int16 (rows_as_i16) where the CPU's level has those loops.
   void stream(const QPart& p) const {
     const int64_t nch = p.c1 - p.c0, nr = p.nr;
+    // int16 rows: nr * K values and a scale a 32-value block
+    const int64_t n_half = kHalfScales ? nch * G : 0, n16 = kI16Rows ? nr * K / 2 + nr * K / 32 + 1 : 0;
     std::vector<acc_t> own;
-    acc_t* buf = thread_scratch<acc_t>(nr * K + G + nr * G + nr * nch + (kHalfScales ? nch * G : 0), own);
-    acc_t *xs = buf, *work = xs + nr * K, *y = work + G + nr * G, *sbuf = y + nr * nch;
+    acc_t* buf = thread_scratch<acc_t>(nr * K + G + 2 * nr * G + nr * nch + n_half + n16, own);
+    acc_t *xs = buf, *work = xs + nr * K, *y = work + G + 2 * nr * G, *sbuf = y + nr * nch;
+    acc_t *xscale = sbuf + n_half, *b16 = xscale + nr * K / 32;
     const acc_t* x = reinterpret_cast<const acc_t*>(a + p.r0 * K);
     if constexpr (kConvert) {
       rows_to(a + p.r0 * K, nr * K, xs);
@@ -400,7 +553,13 @@ struct QGemm {
     }
     if constexpr (kF32) {
       const auto [s, kind] = kernel_scales(p, sbuf);
-      kernels->dot[bits == 4][kind][gs > 32][nr - 1](x, work, channels(p), q_row, s, G, K, gs, nch, y, nch);
+      const I16Fn i16 = kI16Rows && (bits == 4 || K % 32 == 0) ? kernels->i16[bits == 4][kind][nr - 1] : nullptr;
+      int16_t* x16 = reinterpret_cast<int16_t*>(b16);
+      if (i16 != nullptr && rows_as_i16(x, nr, K, x16, xscale)) {
+        i16(x16, xscale, work, channels(p), q_row, s, G, K, gs, nch, y, nch);
+      } else {
+        kernels->dot[bits == 4][kind][gs > 32][nr - 1](x, work, channels(p), q_row, s, G, K, gs, nch, y, nch);
+      }
     } else if (bits == 8) {
       qdot_portable<8, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, K, gs, nch, y, nch);
     } else {

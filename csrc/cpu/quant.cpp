@@ -96,7 +96,7 @@ void qdot_portable(const acc_t* x, int nr, const uint8_t* q, int64_t q_row, cons
     const uint8_t* qc = q + c * q_row;
     acc_t sum[kSmallRows] = {};
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t g1 = (g + 1) * gs;
+      const int64_t g1 = std::min(K, (g + 1) * gs);  // the last group may be short
       acc_t part[kSmallRows] = {};
       int64_t i = g * gs;
       for (; i + 32 <= g1; i += 32) {
@@ -191,7 +191,7 @@ void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_
     for (int r = 0; r < R; ++r) {
       for (int64_t g = 0; g < G; ++g) {
         float t = 0.0f;
-        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
+        for (int64_t b = g * gs / 32; b < std::min(K, (g + 1) * gs) / 32; ++b) {
           int32_t sb = 0;
           for (int64_t i = b * 32; i < b * 32 + 32; ++i) sb += x16[r * K + i];
           t += static_cast<float>(sb) * xscale[r * B + b];
@@ -221,8 +221,8 @@ void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_
     const int16_t* xp[R];
     const float* sp[R];  // each block's scale (groups of 32: sfx; else the row's block scales)
     for (int r = 0; r < R; ++r) xp[r] = x16 + r * K, sp[r] = gs == 32 ? sfx + r * G : xscale + r * B;
-    const int64_t blocks = gs / 32;
     for (int64_t g = 0; g < G; ++g) {
+      const int64_t blocks = (std::min(K, (g + 1) * gs) - g * gs) / 32;  // the last group may be short
       __m256 grp[R];  // the group's sum (longer groups)
       for (int r = 0; r < R; ++r) grp[r] = _mm256_setzero_ps();
       for (int64_t k = 0; k < blocks; ++k, qb += bits == 8 ? 32 : 16) {
@@ -417,6 +417,12 @@ const F32Kernels& f32_kernels() {
 
 // ---------------------------------------------------------------- the op
 
+// The inputs a channel stores: K, or with groups K rounded up to whole 32-input blocks (the
+// padding's values are zeros, and the kernels pad the rows with zeros to match).
+int64_t padded_inputs(int64_t K, int64_t group_size) {
+  return group_size > 0 ? (K + kBlock - 1) / kBlock * kBlock : K;
+}
+
 void check_qgrouped_mm_args(const at::Tensor& a, const at::Tensor& q, const at::Tensor& scale, int64_t bits,
                             int64_t group_size) {
   const char* op = "qgrouped_mm";
@@ -428,21 +434,23 @@ void check_qgrouped_mm_args(const at::Tensor& a, const at::Tensor& q, const at::
   TORCH_CHECK_VALUE(q.scalar_type() == want, "minagi.qgrouped_mm: int", bits, " weights come as q of dtype ",
                     bits == 8 ? "int8" : "uint8 (two values a byte)", ", got ", q.scalar_type());
   const int64_t K = a.size(1), per_byte = bits == 8 ? 1 : 2;
-  TORCH_CHECK_VALUE(q.size(2) * per_byte == K, "minagi.qgrouped_mm: q [S, out, ", bits == 8 ? "in" : "in / 2",
-                    "] must match a's ", K, " inputs, got q of shape ", q.sizes());
-  TORCH_CHECK_VALUE(group_size >= 0 && group_size % kBlock == 0 && (group_size == 0 || K % group_size == 0),
-                    "minagi.qgrouped_mm: group_size must be 0 (one scale per output channel) or a multiple of 32 "
-                    "that divides the ", K, " inputs, got ", group_size);
-  TORCH_CHECK_VALUE(bits == 8 || (group_size > 0 && K % kBlock == 0), "minagi.qgrouped_mm: int4 needs a group_size ",
-                    "(a multiple of 32 dividing the inputs), got ", group_size, " for ", K, " inputs");
+  TORCH_CHECK_VALUE(group_size >= 0 && group_size % kBlock == 0,
+                    "minagi.qgrouped_mm: group_size must be 0 (one scale per output channel) or a multiple of 32, got ",
+                    group_size);
+  TORCH_CHECK_VALUE(bits == 8 || group_size > 0, "minagi.qgrouped_mm: int4 needs a group_size (a multiple of 32), ",
+                    "got ", group_size);
+  const int64_t stored = padded_inputs(K, group_size);
+  TORCH_CHECK_VALUE(q.size(2) * per_byte == stored, "minagi.qgrouped_mm: q [S, out, ", bits == 8 ? "in" : "in / 2",
+                    "] must hold a's ", K, " inputs", stored == K ? "" : " padded to a multiple of 32 (", stored,
+                    stored == K ? "" : ")", ", got q of shape ", q.sizes());
   const auto st = scale.scalar_type();
   TORCH_CHECK_VALUE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
                     "minagi.qgrouped_mm: scale must be float32, bfloat16 or float16, got ", st);
   const bool shape_ok = group_size == 0 ? scale.dim() == 2 && scale.size(0) == q.size(0) && scale.size(1) == q.size(1)
                                         : scale.dim() == 3 && scale.size(0) == q.size(0) &&
-                                              scale.size(1) == q.size(1) && scale.size(2) == K / group_size;
+                                              scale.size(1) == q.size(1) && scale.size(2) == (K + group_size - 1) / group_size;
   TORCH_CHECK_VALUE(shape_ok, "minagi.qgrouped_mm: scale must be [S, out] = [", q.size(0), ", ", q.size(1),
-                    "] for group_size 0, else [S, out, in / group_size]; got ", scale.sizes(), " with group_size ",
+                    "] for group_size 0, else [S, out, ceil(in / group_size)]; got ", scale.sizes(), " with group_size ",
                     group_size, " and ", K, " inputs");
   check_same_device(a, q, op, "a", "q");
   check_same_device(a, scale, op, "a", "scale");
@@ -519,6 +527,7 @@ struct QGemm {
   const S* scale;
   scalar_t* out;
   int64_t K, M, bits, gs, G, q_row;  // inputs, outputs, bits, inputs a scale, scales a channel, bytes a channel
+  int64_t KP;                        // inputs a channel stores (padded_inputs), what the kernels run over
   const F32Kernels* kernels;         // float32's kernels of the CPU's level
 
   const uint8_t* channels(const QPart& p) const { return q + (p.slot * M + p.c0) * q_row; }
@@ -541,29 +550,32 @@ struct QGemm {
   void stream(const QPart& p) const {
     const int64_t nch = p.c1 - p.c0, nr = p.nr;
     // int16 rows: nr * K values and a scale a 32-value block
-    const int64_t n_half = kHalfScales ? nch * G : 0, n16 = kI16Rows ? nr * K / 2 + nr * K / 32 + 1 : 0;
+    const int64_t n_half = kHalfScales ? nch * G : 0, n16 = kI16Rows ? nr * KP / 2 + nr * KP / 32 + 1 : 0;
     std::vector<acc_t> own;
-    acc_t* buf = thread_scratch<acc_t>(nr * K + G + 2 * nr * G + nr * nch + n_half + n16, own);
-    acc_t *xs = buf, *work = xs + nr * K, *y = work + G + 2 * nr * G, *sbuf = y + nr * nch;
-    acc_t *xscale = sbuf + n_half, *b16 = xscale + nr * K / 32;
+    acc_t* buf = thread_scratch<acc_t>(nr * KP + G + 2 * nr * G + nr * nch + n_half + n16, own);
+    acc_t *xs = buf, *work = xs + nr * KP, *y = work + G + 2 * nr * G, *sbuf = y + nr * nch;
+    acc_t *xscale = sbuf + n_half, *b16 = xscale + nr * KP / 32;
     const acc_t* x = reinterpret_cast<const acc_t*>(a + p.r0 * K);
-    if constexpr (kConvert) {
-      rows_to(a + p.r0 * K, nr * K, xs);
+    if (kConvert || KP != K) {  // the rows as acc_t, each padded with zeros to the stored inputs
+      for (int64_t r = 0; r < nr; ++r) {
+        rows_to(a + (p.r0 + r) * K, K, xs + r * KP);
+        std::fill(xs + r * KP + K, xs + (r + 1) * KP, acc_t(0));
+      }
       x = xs;
     }
     if constexpr (kF32) {
       const auto [s, kind] = kernel_scales(p, sbuf);
-      const I16Fn i16 = kI16Rows && (bits == 4 || K % 32 == 0) ? kernels->i16[bits == 4][kind][nr - 1] : nullptr;
+      const I16Fn i16 = kI16Rows && KP % 32 == 0 ? kernels->i16[bits == 4][kind][nr - 1] : nullptr;
       int16_t* x16 = reinterpret_cast<int16_t*>(b16);
-      if (i16 != nullptr && rows_as_i16(x, nr, K, x16, xscale)) {
-        i16(x16, xscale, work, channels(p), q_row, s, G, K, gs, nch, y, nch);
+      if (i16 != nullptr && rows_as_i16(x, nr, KP, x16, xscale)) {
+        i16(x16, xscale, work, channels(p), q_row, s, G, KP, gs, nch, y, nch);
       } else {
-        kernels->dot[bits == 4][kind][gs > 32][nr - 1](x, work, channels(p), q_row, s, G, K, gs, nch, y, nch);
+        kernels->dot[bits == 4][kind][gs > 32][nr - 1](x, work, channels(p), q_row, s, G, KP, gs, nch, y, nch);
       }
     } else if (bits == 8) {
-      qdot_portable<8, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, K, gs, nch, y, nch);
+      qdot_portable<8, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, KP, gs, nch, y, nch);
     } else {
-      qdot_portable<4, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, K, gs, nch, y, nch);
+      qdot_portable<4, acc_t, S>(x, static_cast<int>(nr), channels(p), q_row, scales(p), G, KP, gs, nch, y, nch);
     }
     for (int64_t r = 0; r < nr; ++r) rows_from(y + r * nch, nch, out + (p.r0 + r) * M + p.c0);
   }
@@ -575,23 +587,23 @@ struct QGemm {
     const int64_t chunk =
         std::min<int64_t>(p.nr, std::max<int64_t>(16, (int64_t{1} << 20) / (std::max<int64_t>(K, 1) * sizeof(acc_t))));
     std::vector<acc_t> own;
-    acc_t* buf = thread_scratch<acc_t>(nc * K + chunk * nc + (kConvert ? chunk * K : 0) + (kHalfScales ? nc * G : 0),
+    acc_t* buf = thread_scratch<acc_t>(nc * KP + chunk * nc + (kConvert ? chunk * K : 0) + (kHalfScales ? nc * G : 0),
                                        own);
-    acc_t *w = buf, *y = w + nc * K, *xa = y + chunk * nc, *sbuf = xa + (kConvert ? chunk * K : 0);
+    acc_t *w = buf, *y = w + nc * KP, *xa = y + chunk * nc, *sbuf = xa + (kConvert ? chunk * K : 0);
     const uint8_t* qc = channels(p);
     if constexpr (kF32) {
       const auto [s, kind] = kernel_scales(p, sbuf);
       const DequantFn fn = kernels->dequant[bits == 4][kind];
       const size_t step = (kind == 0 ? sizeof(float) : sizeof(uint16_t)) * G;
-      for (int64_t o = 0; o < nc; ++o) fn(qc + o * q_row, static_cast<const char*>(s) + o * step, K, gs, w + o * K);
+      for (int64_t o = 0; o < nc; ++o) fn(qc + o * q_row, static_cast<const char*>(s) + o * step, KP, gs, w + o * KP);
     } else {
       for (int64_t o = 0; o < nc; ++o) {
-        bits == 8 ? dequant_portable<8, acc_t, S>(qc + o * q_row, scales(p) + o * G, K, gs, w + o * K)
-                  : dequant_portable<4, acc_t, S>(qc + o * q_row, scales(p) + o * G, K, gs, w + o * K);
+        bits == 8 ? dequant_portable<8, acc_t, S>(qc + o * q_row, scales(p) + o * G, KP, gs, w + o * KP)
+                  : dequant_portable<4, acc_t, S>(qc + o * q_row, scales(p) + o * G, KP, gs, w + o * KP);
       }
     }
     const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    const at::Tensor wt = at::from_blob(w, {nc, K}, opts).t();
+    const at::Tensor wt = at::from_blob(w, {nc, K}, {KP, 1}, opts).t();  // the padding left out
     for (int64_t r = 0; r < p.nr; r += chunk) {
       const int64_t nr = std::min(chunk, p.nr - r);
       const scalar_t* ar = a + (p.r0 + r) * K;
@@ -643,16 +655,17 @@ at::Tensor qgrouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& q_in, const
   const auto start = range_starts(slot_ids, slot_rows, a.size(0), S, "qgrouped_mm", false);
   at::Tensor out = empty_output({a.size(0), M}, a.options());
   if (start.back() > 0 && M > 0) {
-    const int64_t gs = group_size > 0 ? group_size : std::max<int64_t>(K, 1);
+    const int64_t gs = group_size > 0 ? group_size : std::max<int64_t>(K, 1), KP = padded_inputs(K, group_size);
     MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_qgrouped_mm", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const auto parts = plan_qparts(slot_ids.contiguous(), start, M, tile_columns(K, M, sizeof(acc_t)),
+      const auto parts = plan_qparts(slot_ids.contiguous(), start, M, tile_columns(KP, M, sizeof(acc_t)),
                                      at::get_num_threads());
       auto run = [&](const auto* scale_ptr) {
         using S = std::remove_const_t<std::remove_pointer_t<decltype(scale_ptr)>>;
         const QGemm<scalar_t, S> g{a.data_ptr<scalar_t>(), static_cast<const uint8_t*>(q.data_ptr()), scale_ptr,
-                                   out.data_ptr<scalar_t>(), K, M, bits, gs, group_size > 0 ? K / group_size : 1,
-                                   q.size(2), &f32_kernels()};
+                                   out.data_ptr<scalar_t>(), K, M, bits, gs,
+                                   group_size > 0 ? (K + group_size - 1) / group_size : 1, q.size(2), KP,
+                                   &f32_kernels()};
         run_parts(parts, [&](const QPart& p) { p.nr <= kSmallRows ? g.stream(p) : g.tile(p); });
       };
       switch (scale.scalar_type()) {

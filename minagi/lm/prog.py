@@ -22,6 +22,7 @@ BENCHES = {
     "shared": ("shared", "main", "training char/s beside busy processes: threads following the free cores, every core, 1"),
     "hf": ("hf", "main", "transformers' experts backends against minagi's"),
     "quant": ("quant", "main", "quantized experts (int8, int4) against bfloat16 at decode: time, bytes read per second"),
+    "llama": ("llama", "main", "transformers + minagi's experts beside llama.cpp (BF16, Q8_0, Q4_0): decode tok/s"),
 }
 
 

@@ -51,10 +51,6 @@ def quantize_experts(model: ByteModel, spec: str) -> str:
     pool, before, after = model.pool, 0, 0
     for name in ("w_in", "w_out"):
         w = getattr(pool, name)
-        if group and w.shape[1] % group:
-            width = "model.d_model" if name == "w_in" else "model.d_hidden"
-            raise ValueError(f"--quantize {spec}: {name}'s {w.shape[1]} inputs ({width}) are not a multiple of "
-                             f"the int4 group of {group}; use --quantize int8 (one scale per output channel)")
         qw = quant.quantize(w.detach(), bits=bits, group_size=group)
         before, after = before + w.nbytes, after + qw.nbytes
         del pool._parameters[name]

@@ -355,6 +355,7 @@ def _qgrouped_mm_autograd(lib: str) -> None:
     def setup(ctx, inputs, output):
         a, q, scale, slot_ids, slot_rows, bits, group_size = inputs
         ctx.form = (bits, group_size)
+        ctx.n_in = a.shape[1]  # q may store padding past a's inputs
         ctx.save_for_backward(q, scale, slot_ids, slot_rows)
 
     def bwd(ctx, grad):
@@ -364,7 +365,7 @@ def _qgrouped_mm_autograd(lib: str) -> None:
         grad_a = None
         if ctx.needs_input_grad[0]:
             w_AOI = reference.dequantize(q.index_select(0, slot_ids), scale.index_select(0, slot_ids), *ctx.form,
-                                         grad.dtype)
+                                         grad.dtype, ctx.n_in)
             ids_A = torch.arange(slot_ids.shape[0], device=slot_ids.device)
             grad_a = ops.grouped_mm(grad, w_AOI, ids_A, slot_rows)
         return grad_a, None, None, None, None, None, None

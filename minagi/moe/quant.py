@@ -9,12 +9,15 @@ w_out [S, h, d]); quantize takes a contiguous [S, in, out] tensor or the .mT vie
 nn.Linear-style [S, out, in] one alike. Its storage is fixed for the kernels, output-major with the
 inputs contiguous (llama.cpp's layout: one output channel's weights are one run of bytes):
 
-  bits 8:  q [S, out, in] int8
-  bits 4:  q [S, out, in / 2] uint8: each block of 32 inputs in 16 bytes, byte j holding input j
+  bits 8:  q [S, out, in'] int8
+  bits 4:  q [S, out, in' / 2] uint8: each block of 32 inputs in 16 bytes, byte j holding input j
            in its low nibble and input j + 16 in its high nibble (llama.cpp's Q4_0 order), each
            nibble the value + 8 (values -8..7)
-  scale    [S, out] with group_size None (one per output channel), else [S, out, in / group_size]:
-           float16, bfloat16 (the default) or float32
+  scale    [S, out] with group_size None (one per output channel), else [S, out, ceil(in /
+           group_size)]: float16, bfloat16 (the default) or float32
+
+in' is in, or with groups in rounded up to a multiple of 32: the padding holds zeros (the last
+group is short where group_size does not divide in), and in_features keeps the logical in.
 
 Symmetric: weight = value * scale, no zero point. In each group the weight of the largest
 magnitude is mapped to -2^(bits - 1) (-128, -8; llama.cpp's Q4_0 rule), so all 2^bits levels are
@@ -44,17 +47,20 @@ class QuantizedWeight:
     """An expert weight [S, in, out] in int8 or int4 (see the module's docstring for the storage).
 
     q, scale: the stored tensors; bits (8 or 4); group_size (None: per output channel, else a
-    multiple of 32 dividing in); dtype: the float dtype it dequantizes to and computes in (x's
-    dtype in expert_mlp)."""
+    multiple of 32); dtype: the float dtype it dequantizes to and computes in (x's dtype in
+    expert_mlp); in_features: the logical inputs (None: all q stores, which with groups may hold up
+    to 31 inputs of padding past them)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int | None, dtype: torch.dtype):
-        _check_storage(q, scale, bits, group_size, dtype)
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int | None, dtype: torch.dtype,
+                 in_features: int | None = None):
+        in_features = _check_storage(q, scale, bits, group_size, dtype, in_features)
         self.q, self.scale, self.bits, self.group_size, self.dtype = q, scale, bits, group_size, dtype
+        self.in_features = in_features
 
     @property
     def shape(self) -> torch.Size:
-        S, O, X = self.q.shape
-        return torch.Size((S, X * (8 // self.bits), O))
+        S, O, _ = self.q.shape
+        return torch.Size((S, self.in_features, O))
 
     @property
     def device(self) -> torch.device:
@@ -89,7 +95,7 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The float weight it stands for, [S, in, out] in self.dtype (the .mT view of a contiguous
         [S, out, in] tensor: the storage's own order)."""
-        return reference.dequantize(self.q, self.scale, self.bits, self.group, self.dtype).mT
+        return reference.dequantize(self.q, self.scale, self.bits, self.group, self.dtype, self.in_features).mT
 
     def to(self, *args, **kwargs) -> QuantizedWeight:
         """A copy on another device and/or with another float dtype to dequantize to, as
@@ -101,14 +107,14 @@ class QuantizedWeight:
         q, scale = self.q, self.scale
         if device is not None:
             q, scale = q.to(device, non_blocking=non_blocking), scale.to(device, non_blocking=non_blocking)
-        return QuantizedWeight(q, scale, self.bits, self.group_size, dtype or self.dtype)
+        return QuantizedWeight(q, scale, self.bits, self.group_size, dtype or self.dtype, self.in_features)
 
     def index_select(self, dim: int, index: torch.Tensor) -> QuantizedWeight:
         """The experts at `index` (dim 0 only: a card of a pool's experts), as Tensor.index_select."""
         if dim != 0:
             raise ValueError(f"QuantizedWeight.index_select: only dim 0 (the experts) can be selected, got {dim}")
         return QuantizedWeight(self.q.index_select(0, index), self.scale.index_select(0, index), self.bits,
-                               self.group_size, self.dtype)
+                               self.group_size, self.dtype, self.in_features)
 
     def cpu(self) -> QuantizedWeight:
         return self.to("cpu")
@@ -126,10 +132,11 @@ class QuantizedWeight:
     # __setstate__, which checks them as __init__ does.
     def __getstate__(self) -> dict:
         return {"q": self.q, "scale": self.scale, "bits": self.bits, "group_size": self.group_size,
-                "dtype": self.dtype}
+                "dtype": self.dtype, "in_features": self.in_features}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["q"], state["scale"], state["bits"], state["group_size"], state["dtype"])
+        self.__init__(state["q"], state["scale"], state["bits"], state["group_size"], state["dtype"],
+                      state.get("in_features"))
 
 
 _NO_GRAD = ("a QuantizedWeight takes no gradient: its values are integers, and expert_mlp gives gradients to x and "
@@ -137,7 +144,14 @@ _NO_GRAD = ("a QuantizedWeight takes no gradient: its values are integers, and e
             "gives it back, with the rounding) and quantize after training")
 
 
-def _check_storage(q, scale, bits, group_size, dtype) -> None:
+def stored_inputs(n_in: int, group_size: int | None) -> int:
+    """The inputs a channel stores: n_in, or with groups n_in rounded up to whole 32-input blocks
+    (csrc/cpu/quant.cpp padded_inputs)."""
+    return n_in if group_size is None else -(-n_in // BLOCK) * BLOCK
+
+
+def _check_storage(q, scale, bits, group_size, dtype, in_features) -> int:
+    """Checks the fields, and returns the logical inputs."""
     def fail(msg):
         raise ValueError(f"QuantizedWeight: {msg}")
 
@@ -156,12 +170,18 @@ def _check_storage(q, scale, bits, group_size, dtype) -> None:
     if scale.device != q.device:
         fail(f"scale is on {scale.device} but q is on {q.device}")
     S, O, X = q.shape
-    n_in = X * (8 // bits)
+    n_stored = X * (8 // bits)
+    n_in = n_stored if in_features is None else in_features
     _check_group(n_in, bits, group_size)
-    shape = (S, O) if group_size is None else (S, O, n_in // group_size)
+    if isinstance(n_in, bool) or not isinstance(n_in, int) or stored_inputs(n_in, group_size) != n_stored:
+        fail(f"q {tuple(q.shape)} stores {n_stored} inputs a channel, which does not hold in_features={n_in!r} "
+             f"(int{bits}, group_size={group_size}: {n_in!r} inputs are stored as "
+             f"{stored_inputs(n_in, group_size) if isinstance(n_in, int) else '?'})")
+    shape = (S, O) if group_size is None else (S, O, -(-n_in // group_size))
     if tuple(scale.shape) != shape or not scale.is_contiguous():
         fail(f"scale must be a contiguous {shape} tensor for q {tuple(q.shape)} (int{bits}, group_size={group_size}), "
              f"got {tuple(scale.shape)}")
+    return n_in
 
 
 def _check_group(n_in: int, bits: int, group_size) -> None:
@@ -173,17 +193,14 @@ def _check_group(n_in: int, bits: int, group_size) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"quantize: group_size must be None (int8 only: one scale per output channel) or a positive "
                          f"multiple of {BLOCK} (32, 128, ...), got {group_size!r}")
-    if n_in % group_size:
-        raise ValueError(f"quantize: the input dimension ({n_in}) is not divisible by group_size {group_size}; "
-                         f"pick a group size that divides it (32 divides every multiple of 32)")
 
 
 def quantize(w_SIO: torch.Tensor, bits: int = 8, group_size: int | None = None,
              scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
     """w [S, in, out] (contiguous, or the .mT view of an [S, out, in] weight) as a QuantizedWeight
     of `bits` (8 or 4) with one scale per output channel (group_size None; int8 only) or per
-    `group_size` inputs (a multiple of 32 dividing in: 32 or 128), scales in scale_dtype. It
-    dequantizes to w's dtype. Symmetric: in each group the weight of the largest magnitude maps to
+    `group_size` inputs (a multiple of 32: 32 or 128; where it does not divide in, the last group
+    is short), scales in scale_dtype. It dequantizes to w's dtype. Symmetric: in each group the weight of the largest magnitude maps to
     -2^(bits - 1), every value is round(w / scale) clamped to [-2^(bits - 1), 2^(bits - 1) - 1]."""
     if not isinstance(w_SIO, torch.Tensor):
         raise TypeError(f"quantize: the weight must be a torch.Tensor, got {type(w_SIO).__name__}")
@@ -204,7 +221,9 @@ def quantize(w_SIO: torch.Tensor, bits: int = 8, group_size: int | None = None,
         work = torch.float64 if w_SIO.dtype == torch.float64 else torch.float32
         w_SOI = w_SIO.detach().mT.to(work)  # output-major: each channel's inputs contiguous
         g = n_in if group_size is None else group_size
-        w_SOGg = w_SOI.reshape(S, n_out, n_in // g, g)
+        n_pad = -(-n_in // g) * g  # whole groups: zeros past the inputs, which never set a scale
+        w_SOI = torch.nn.functional.pad(w_SOI, (0, n_pad - n_in))
+        w_SOGg = w_SOI.reshape(S, n_out, n_pad // g, g)
         # The signed value of largest magnitude in each group goes to -2^(bits-1).
         peak = w_SOGg.gather(-1, w_SOGg.abs().argmax(-1, keepdim=True))
         exact = peak / -(1 << (bits - 1))
@@ -217,14 +236,15 @@ def quantize(w_SIO: torch.Tensor, bits: int = 8, group_size: int | None = None,
         s = scale.to(work)
         ratio = torch.where(s == 0, 0.0, w_SOGg / torch.where(s == 0, 1.0, s))
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-        v = ratio.round().clamp(lo, hi).reshape(S, n_out, n_in)
-        scale = scale.reshape(S, n_out) if group_size is None else scale.reshape(S, n_out, n_in // g)
+        n_q = stored_inputs(n_in, group_size)
+        v = ratio.round().clamp(lo, hi).reshape(S, n_out, n_pad)[..., :n_q]
+        scale = scale.reshape(S, n_out) if group_size is None else scale.reshape(S, n_out, n_pad // g)
         if bits == 8:
             q = v.to(torch.int8).contiguous()
         else:
-            u = (v + 8).to(torch.uint8).view(S, n_out, n_in // BLOCK, 2, BLOCK // 2)
-            q = (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(S, n_out, n_in // 2).contiguous()
-    return QuantizedWeight(q, scale.contiguous(), bits, group_size, w_SIO.dtype)
+            u = (v + 8).to(torch.uint8).reshape(S, n_out, n_q // BLOCK, 2, BLOCK // 2)
+            q = (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(S, n_out, n_q // 2).contiguous()
+    return QuantizedWeight(q, scale.contiguous(), bits, group_size, w_SIO.dtype, n_in)
 
 
 torch.serialization.add_safe_globals([QuantizedWeight])

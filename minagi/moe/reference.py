@@ -250,11 +250,13 @@ def grouped_mm(a_EI, b_SIO, slot_ids_A, slot_rows_A):
     return torch.cat(outs)
 
 
-def dequantize(q_SOX, scale, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q_SOX, scale, bits: int, group_size: int, dtype: torch.dtype, n_in: int | None = None) -> torch.Tensor:
     """The float weight [S, out, in] that quantized storage stands for (minagi/moe/quant.py's format):
-    bits 8: q [S, out, in] int8; bits 4: q [S, out, in / 2] uint8, each 32 inputs' block in 16
+    bits 8: q [S, out, in'] int8; bits 4: q [S, out, in' / 2] uint8, each 32 inputs' block in 16
     bytes, byte j holding input j in its low nibble and input j + 16 in its high one, each nibble the
-    value + 8. scale [S, out] (group_size 0: one per output channel) or [S, out, in / group_size].
+    value + 8. scale [S, out] (group_size 0: one per output channel) or [S, out, ceil(in' /
+    group_size)], the last group short where group_size does not divide in'. in' is what q stores:
+    n_in (default: all of it) and up to 31 inputs of padding past it, left out.
     Computed in float32 (float64 for float64), where q * scale is exact, then cast to dtype."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     if bits == 8:
@@ -266,10 +268,14 @@ def dequantize(q_SOX, scale, bits: int, group_size: int, dtype: torch.dtype) -> 
     else:
         raise ValueError(f"minagi.dequantize: bits must be 8 or 4, got {bits}")
     s = scale.to(work)
+    v_SOI = v_SOI if n_in is None else v_SOI[..., :n_in]
     if group_size == 0:
         return (v_SOI * s.unsqueeze(-1)).to(dtype)
     S, O, I = v_SOI.shape
-    return (v_SOI.view(S, O, I // group_size, group_size) * s.unsqueeze(-1)).view(S, O, I).to(dtype)
+    n_grouped = s.shape[-1] * group_size  # whole groups: the short last one padded, then left out
+    v_SOI = torch.nn.functional.pad(v_SOI, (0, n_grouped - I)) if n_grouped != I else v_SOI
+    w_SOGg = v_SOI.view(S, O, n_grouped // group_size, group_size) * s.unsqueeze(-1)
+    return w_SOGg.view(S, O, n_grouped)[..., :I].to(dtype)
 
 
 def qgrouped_mm(a_EI, q_SOX, scale, slot_ids_A, slot_rows_A, bits: int, group_size: int, *, ops=None):
@@ -278,7 +284,7 @@ def qgrouped_mm(a_EI, q_SOX, scale, slot_ids_A, slot_rows_A, bits: int, group_si
     without one (ops: whose grouped_mm to use, as gather_mm_act's)."""
     ops = ops or _twins()
     w_AOI = dequantize(q_SOX.index_select(0, slot_ids_A), scale.index_select(0, slot_ids_A), bits, group_size,
-                       a_EI.dtype)
+                       a_EI.dtype, a_EI.shape[1])
     ids_A = torch.arange(slot_ids_A.shape[0], device=slot_ids_A.device)
     return ops.grouped_mm(a_EI, w_AOI.mT, ids_A, slot_rows_A)
 

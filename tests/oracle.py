@@ -1,25 +1,39 @@
-"""A readable loop oracle: expert_mlp by plain Python over characters, in float64."""
+"""A readable loop oracle: expert_mlp by plain Python over the (character, k) pairs, in float64,
+and each expert form's activation written out from its definition."""
 import math
 
 import torch
-import torch.nn.functional as F
 
 
-def expert_mlp_loop(x, slot_idx, gates, w_in, w_out, capacity_factor=0.0):
+def expert_mlp_loop(x, slot_idx, gates, w_in, w_out, activation="gelu", b_in=None, b_out=None, post=None,
+                    capacity_factor=0.0, skip=False, alpha=1.702, limit=7.0):
+    """y[n] = sum_j g[n, j] * post(act(x[n] @ w_in[s] + b_in[s]) @ w_out[s] + b_out[s]), s = slot_idx[n, j],
+    one pair at a time, differentiable (twice) in every tensor. activation: a form's name (act_math)
+    or a callable; post: None or a callable. A slot keeps its first ceil(capacity_factor N K / S)
+    pairs in character order (capacity_factor > 0); with skip, a pair whose slot is outside [0, S)
+    adds nothing."""
+    x, gates, w_in, w_out = (t.double() for t in (x, gates, w_in, w_out))
+    b_in, b_out = (None if b is None else b.double() for b in (b_in, b_out))
+    act = activation if callable(activation) else (lambda h: act_math(h, activation, alpha, limit))
     N, K = slot_idx.shape
     S = w_in.shape[0]
     cap = math.ceil(capacity_factor * N * K / S) if capacity_factor > 0 else None
     taken = [0] * S
-    y = torch.zeros(N, x.shape[1], dtype=torch.float64)
+    rows = []
     for n in range(N):
+        y = x.new_zeros(x.shape[1])
         for j in range(K):
             s = int(slot_idx[n, j])
+            if skip and not 0 <= s < S:
+                continue  # an expert held elsewhere
             taken[s] += 1
             if cap is not None and taken[s] > cap:
                 continue  # past this slot's capacity: dropped
-            h = F.gelu(x[n].double() @ w_in[s].double())
-            y[n] += float(gates[n, j]) * (h @ w_out[s].double())
-    return y
+            h = x[n] @ w_in[s] + (b_in[s] if b_in is not None else 0)
+            out = act(h) @ w_out[s] + (b_out[s] if b_out is not None else 0)
+            y = y + gates[n, j] * (out if post is None else post(out))
+        rows.append(y)
+    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
 
 
 def act_math(h, form: str, alpha: float = 1.702, limit: float = 7.0):

@@ -11,33 +11,16 @@ from minagi import expert_mlp
 from minagi.moe.reference import ACTIVATIONS, GATED, activate
 
 from cases import random_routing
-from oracle import act_math
+from oracle import act_math, expert_mlp_loop
 from conftest import EXT, assert_close, requires_ext
 
 PATHS = ["rectangle", "grouped"] + (["compiled"] if EXT else [])
 OAI = {"alpha": 1.702, "limit": 7.0}
 
 
-def oracle(x, idx, gates, w_in, w_out, act, b_in=None, b_out=None, skip=False):
-    """y[n] = sum_j g[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @ w_out[s] + b_out[s]), one pair at a time."""
-    S = w_in.shape[0]
-    rows = []
-    for n in range(x.shape[0]):
-        y = x.new_zeros(x.shape[1])
-        for j in range(idx.shape[1]):
-            s = int(idx[n, j])
-            if skip and not 0 <= s < S:
-                continue
-            h = x[n] @ w_in[s] + (b_in[s] if b_in is not None else 0)
-            out = act_math(h, act, **OAI) @ w_out[s] + (b_out[s] if b_out is not None else 0)
-            y = y + gates[n, j] * out
-        rows.append(y)
-    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
-
-
 @pytest.mark.parametrize("act", ACTIVATIONS)
 def test_the_twins_activation_is_the_forms_definition(act):
-    # The loop oracle above writes each form out from its definition (tests/oracle.py), so a wrong
+    # The loop oracle writes each form out from its definition (tests/oracle.py), so a wrong
     # formula in minagi's own activation (reference.activate, which the twins and the kernels'
     # tests follow) shows here, past the clamps and across the float range.
     h = torch.linspace(-12, 12, 2 * 481, dtype=torch.float64).reshape(1, -1)
@@ -89,8 +72,8 @@ def rel(a, b):
 def test_every_form_on_every_path_matches_the_loop(act, path, dtype, bias, layout):
     idx, master, leaves = problem(act, dtype, bias, layout)
     ref_leaves = {k: v.clone().requires_grad_() for k, v in master.items()}
-    want = oracle(ref_leaves["x"], idx, ref_leaves["gates"], ref_leaves["w_in"], ref_leaves["w_out"], act,
-                  ref_leaves.get("b_in"), ref_leaves.get("b_out"))
+    want = expert_mlp_loop(ref_leaves["x"], idx, ref_leaves["gates"], ref_leaves["w_in"], ref_leaves["w_out"], act,
+                           ref_leaves.get("b_in"), ref_leaves.get("b_out"))
     gy = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     want_g = grads_of(want, ref_leaves, gy, "contiguous")
     p = passed(leaves, layout)
@@ -147,7 +130,8 @@ def test_out_of_range_slots_add_nothing_and_get_no_gradient_when_skipped(path, N
                           b_out=p["b_out"], out_of_range_slots="skip", path=path, return_stats=True)
     assert stats.routed_pairs == N * 3 - 3 and stats.n_chars == N and 0 < stats.sink_share <= 1
     ref = {k: v.clone().requires_grad_() for k, v in master.items()}
-    want = oracle(ref["x"], idx, ref["gates"], ref["w_in"], ref["w_out"], "swiglu", ref["b_in"], ref["b_out"], skip=True)
+    want = expert_mlp_loop(ref["x"], idx, ref["gates"], ref["w_in"], ref["w_out"], "swiglu", ref["b_in"], ref["b_out"],
+                           skip=True)
     assert_close(y, want)
     gy = torch.randn(want.shape, dtype=torch.float64)
     got, exp = grads_of(y, leaves, gy, "contiguous"), grads_of(want, ref, gy, "contiguous")
@@ -260,14 +244,7 @@ def test_callable_activation_and_post_match_the_loop(path, layout):
         return F.gelu(h[..., :H].clamp(max=2.0)) * h[..., H:]
 
     def loop(x, gates, w_in, w_out, b_in, b_out):
-        rows = []
-        for n in range(x.shape[0]):
-            y = x.new_zeros(x.shape[1])
-            for j in range(idx.shape[1]):
-                s = int(idx[n, j])
-                y = y + gates[n, j] * norm(gate(x[n] @ w_in[s] + b_in[s]) @ w_out[s] + b_out[s])
-            rows.append(y)
-        return torch.stack(rows)
+        return expert_mlp_loop(x, idx[:x.shape[0]], gates, w_in, w_out, gate, b_in, b_out, post=norm)
 
     v = passed(leaves, layout)
     y = expert_mlp(v["x"], idx, v["gates"], v["w_in"], v["w_out"], activation=gate, b_in=v["b_in"],
@@ -294,10 +271,8 @@ def test_post_norm_weight_gets_the_loops_gradient(path):
     norm = torch.nn.LayerNorm(master["x"].shape[1], dtype=torch.float64)
     y = expert_mlp(leaves["x"], idx, leaves["gates"], leaves["w_in"], leaves["w_out"], post=norm, path=path)
     (g_w, g_b) = torch.autograd.grad((y * y).sum(), [norm.weight, norm.bias])
-    rows = [sum(master["gates"][n, j] * norm(F.gelu(master["x"][n] @ master["w_in"][idx[n, j]])
-                                           @ master["w_out"][idx[n, j]]) for j in range(idx.shape[1]))
-            for n in range(idx.shape[0])]
-    r_w, r_b = torch.autograd.grad((torch.stack(rows) ** 2).sum(), [norm.weight, norm.bias])
+    ref = expert_mlp_loop(master["x"], idx, master["gates"], master["w_in"], master["w_out"], post=norm)
+    r_w, r_b = torch.autograd.grad((ref ** 2).sum(), [norm.weight, norm.bias])
     assert rel(g_w, r_w) < 1e-12 and rel(g_b, r_b) < 1e-12
 
 
@@ -341,7 +316,7 @@ def test_second_derivatives_through_expert_mlp_reach_every_input(path, act):
     got = second(lambda x, g, wi, wo, bi, bo: expert_mlp(x, idx, g, wi, wo, activation=act, b_in=bi, b_out=bo,
                                                          path=path), [leaves[k] for k in names])
     ref_in = [master[k].clone().requires_grad_() for k in names]
-    want = second(lambda x, g, wi, wo, bi, bo: oracle(x, idx, g, wi, wo, act, bi, bo), ref_in)
+    want = second(lambda x, g, wi, wo, bi, bo: expert_mlp_loop(x, idx, g, wi, wo, act, bi, bo), ref_in)
     for k, a, b in zip(names, got, want):
         if b is None:
             assert a is None or not a.abs().max(), k

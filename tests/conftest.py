@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 # cuBLAS refuses deterministic mode without a fixed workspace; set before any GPU work.
@@ -59,6 +60,16 @@ GPU_SKIP = _gpu_skip_reason()
 requires_gpu = pytest.mark.skipif(bool(GPU_SKIP), reason=f"GPU case: {GPU_SKIP}")
 # The compiled-against-twin tests run on every device; GPU cases skip visibly without a GPU.
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=requires_gpu)]
+
+
+@contextlib.contextmanager
+def tile_bytes(name: str, value: int):
+    """A fused CPU kernel's tile size for the block (0: no tile fits, the kernel's unfused path)."""
+    before = torch.ops.minagi.tile_bytes(name, value)
+    try:
+        yield
+    finally:
+        torch.ops.minagi.tile_bytes(name, before)
 
 
 @pytest.fixture(params=DEVICES)

@@ -1,7 +1,11 @@
 """What only a GPU can show: the caching allocator's reserved memory stays flat over many skewed
-routings, and the model trains there, with its pool on the device or in host memory. Every case
-skips visibly where no GPU (or no GPU build of minagi._C) is present; the compiled-against-twin
-tests of the ops run on the GPU through the `device` fixture of test_ops and test_dispatch."""
+routings; the model trains there, with its pool on the device or in host memory; plans, routings
+and gathers at scale and past the grid limits; a side stream; the decode kernel; and expert_mlp's
+compiled path against the twin, forward and backward, with nothing read on the host (every form,
+biases, .mT weights, decode sizes, capacity, skipped ids, the routing cases of tests/cases.py).
+Every case skips visibly where no GPU (or no GPU build of minagi._C) is present; the
+compiled-against-twin tests of the ops run on the GPU through the `device` fixture of test_ops and
+test_dispatch."""
 import contextlib
 import random
 
@@ -14,7 +18,9 @@ from minagi import expert_mlp
 from minagi.lm.config import load
 from minagi.lm.run import build
 from minagi.lm.trainer import train
+from minagi.moe.reference import ACTIVATIONS, GATED
 
+from cases import CASES
 from conftest import requires_gpu
 from test_trainer import TINY, text_file  # noqa: F401  (a fixture)
 
@@ -171,37 +177,6 @@ def test_the_decode_kernel_reads_weights_in_place_like_the_twin(dtype):
     torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol * K ** 0.5)
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "relu2", "swiglu", "swiglu_interleaved", "swiglu_oai"])
-@pytest.mark.parametrize("N", [3, 300])
-def test_every_expert_form_on_the_gpu_matches_the_cpu(act, N):
-    # Biases, .mT weights and skipped out-of-range ids, forward and backward, on the GPU's
-    # compiled path (the decode kernel at N = 3) against the pure-torch path on the CPU in float64.
-    g = torch.Generator().manual_seed(N)
-    S, K, D, H = 6, 2, 16, 12
-    h_in = 2 * H if "swiglu" in act else H
-    idx = torch.rand(N, S, generator=g).topk(K, dim=1).indices
-    idx[0, 1] = S  # an expert held elsewhere
-    cpu = {"x": torch.randn(N, D, generator=g, dtype=torch.float64),
-           "gates": torch.rand(N, K, generator=g, dtype=torch.float64),
-           "w_in": torch.randn(S, h_in, D, generator=g, dtype=torch.float64) / 4,  # [S, out, in]
-           "w_out": torch.randn(S, D, H, generator=g, dtype=torch.float64) / 4,
-           "b_in": torch.randn(S, h_in, generator=g, dtype=torch.float64),
-           "b_out": torch.randn(S, D, generator=g, dtype=torch.float64)}
-    gy = torch.randn(N, D, generator=g, dtype=torch.float64)
-
-    def run(leaves, idx, path):
-        y = expert_mlp(leaves["x"], idx, leaves["gates"], leaves["w_in"].mT, leaves["w_out"].mT, activation=act,
-                       b_in=leaves["b_in"], b_out=leaves["b_out"], out_of_range_slots="skip", path=path)
-        grads = torch.autograd.grad(y, list(leaves.values()), gy.to(y), allow_unused=True)
-        return y, dict(zip(leaves, grads))
-
-    want, want_g = run({k: v.clone().requires_grad_() for k, v in cpu.items()}, idx, "grouped")
-    got, got_g = run({k: v.float().cuda().requires_grad_() for k, v in cpu.items()}, idx.cuda(), "compiled")
-    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
-    for k in want_g:
-        torch.testing.assert_close(got_g[k].cpu().double(), want_g[k], rtol=1e-4, atol=1e-4, msg=k)
-
-
 @contextlib.contextmanager
 def _sync_is_an_error():
     """CUDA's sync debug mode at "error": any device-to-host read or synchronising copy raises."""
@@ -214,7 +189,8 @@ def _sync_is_an_error():
 
 
 # (activation, gated, biases, weights stored [S, out, in] and passed as .mT, N, capacity_factor,
-# out_of_range_slots): the fused forms, a caller's activation, decode sizes, capacity and skip.
+# out_of_range_slots): the fused forms, a caller's activation, decode sizes, capacity and skip;
+# each in float32 and bfloat16.
 SYNC_FREE_CALLS = [
     ("gelu", False, False, False, 300, 0.0, "error"),
     ("swiglu", True, True, True, 300, 0.0, "error"),
@@ -224,18 +200,38 @@ SYNC_FREE_CALLS = [
     ("gelu", False, True, False, 64, 0.0, "skip"),
     (torch.nn.functional.silu, False, True, True, 100, 0.0, "error"),
 ]
+# In float32: every form with biases, .mT weights and skipped ids, at the decode size (3) and past
+# it (300); and N naming a routing case of tests/cases.py instead (its N, S, K and slot ids): a
+# sink, uniform loads, one character, k = S, uncapped and capped.
+SYNC_FREE_FLOAT32_CALLS = [
+    *[(act, act in GATED, True, True, N, 0.0, "skip") for act in ACTIVATIONS for N in (3, 300)],
+    *[("gelu", False, False, False, case, cf, "error") for case in ("sink", "uniform", "one_char", "k_eq_S")
+      for cf in (0.0, 0.5)],
+]
+
+
+def _call_id(call, dtype):
+    return "-".join(str(getattr(v, "__name__", v)) for v in call) + ("-bf16" if dtype == torch.bfloat16 else "-fp32")
+
+
+SYNC_FREE = [pytest.param(c, d, id=_call_id(c, d)) for c in SYNC_FREE_CALLS for d in (torch.float32, torch.bfloat16)] + \
+    [pytest.param(c, torch.float32, id=_call_id(c, torch.float32)) for c in SYNC_FREE_FLOAT32_CALLS]
 
 
 def _expert_args(act, gated, biases, transposed, N, dtype, skip):
     dev, S, K, D, H = torch.device("cuda"), 8, 2, 64, 96
-    g = torch.Generator().manual_seed(N)
+    g = torch.Generator().manual_seed(N if isinstance(N, int) else 0)
     H_in = 2 * H if gated else H
 
     def weight(s, i, o):  # [s, i, o], stored [s, o, i] where transposed
         w = torch.randn(s, o, i, generator=g).mT if transposed else torch.randn(s, i, o, generator=g)
         return (w / i ** 0.5).to(dev, dtype).requires_grad_()
 
-    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(N)]).to(dev)
+    if isinstance(N, str):  # a routing case
+        N, S, K, build = CASES[N]
+        idx = build(N, S, K).to(dev)
+    else:
+        idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(N)]).to(dev)
     if skip:
         idx[::5, 0] = S + 3  # held elsewhere
     x = torch.randn(N, D, generator=g).to(dev, dtype).requires_grad_()
@@ -246,8 +242,7 @@ def _expert_args(act, gated, biases, transposed, N, dtype, skip):
     return x, idx, gates, w_in, w_out, b_in, b_out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("call", SYNC_FREE_CALLS, ids=lambda c: "-".join(str(getattr(v, "__name__", v)) for v in c))
+@pytest.mark.parametrize("call,dtype", SYNC_FREE)
 def test_expert_mlp_never_synchronises_on_the_gpu_and_matches_the_twin(call, dtype):
     # The compiled path on the GPU reads nothing on the host: the exact plan's sizes come from the
     # shapes, the grouped GEMMs sum the ranges on the device and read the weights in place.
@@ -256,17 +251,18 @@ def test_expert_mlp_never_synchronises_on_the_gpu_and_matches_the_twin(call, dty
     x, idx, gates, w_in, w_out, b_in, b_out = args
     leaves = [t for t in (x, gates, w_in, w_out, b_in, b_out) if t is not None]
     kw = dict(activation=act, b_in=b_in, b_out=b_out, capacity_factor=cap, out_of_range_slots=oor)
-    grad_y = torch.randn(N, x.shape[1], device=x.device, dtype=dtype)
+    grad_y = torch.randn(x.shape, device=x.device, dtype=dtype)
     torch.cuda.synchronize()
-    with _sync_is_an_error():
-        y = expert_mlp(x, idx, gates, w_in, w_out, path="compiled", **kw)
+    with _sync_is_an_error():  # the statistics too: read only when asked for, below
+        y, stats = expert_mlp(x, idx, gates, w_in, w_out, path="compiled", return_stats=True, **kw)
         got = torch.autograd.grad(y, leaves, grad_y)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     twin = [t.detach().float().requires_grad_() for t in leaves]
     tw = dict(zip([n for n, t in zip(("x", "gates", "w_in", "w_out", "b_in", "b_out"),
                                      (x, gates, w_in, w_out, b_in, b_out)) if t is not None], twin))
-    y_twin = expert_mlp(tw["x"], idx, tw["gates"], tw["w_in"], tw["w_out"], path="grouped",
-                        **{**kw, "b_in": tw.get("b_in"), "b_out": tw.get("b_out")})
+    y_twin, stats_twin = expert_mlp(tw["x"], idx, tw["gates"], tw["w_in"], tw["w_out"], path="grouped",
+                                    return_stats=True, **{**kw, "b_in": tw.get("b_in"), "b_out": tw.get("b_out")})
+    assert (stats.routed_pairs, stats.dropped_pairs) == (stats_twin.routed_pairs, stats_twin.dropped_pairs)
     torch.testing.assert_close(y.float(), y_twin, **tol)
     want = torch.autograd.grad(y_twin, twin, grad_y.float())
     for name, a, b in zip(tw, got, want):

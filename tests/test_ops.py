@@ -8,7 +8,7 @@ from minagi.moe import ops, reference
 from minagi.bench.routings import sink_routing
 
 from cases import CASES, make
-from conftest import assert_close, requires_ext
+from conftest import assert_close, requires_ext, tile_bytes
 
 pytestmark = requires_ext
 REF = ops.REFERENCE
@@ -613,6 +613,8 @@ def test_gather_mm_act_matches_twin_and_the_unfused_ops(compiled, dtype, name, c
     assert_close(got, REF.gather_mm_act(*args), dtype, scale=4)
     unfused = compiled.grouped_mm_act(compiled.bucketed_gather(x, row_pair, dest, None), w, b, order, rows, *form)[1]
     assert_close(got, unfused, dtype, scale=4, msg="against grouped_mm_act on bucketed_gather's rows")
+    with tile_bytes("gather", 0):  # no slot's rows fit a tile: the op's own whole-buffer branch
+        assert_close(compiled.gather_mm_act(*args), unfused, dtype, scale=4, msg="past the tile")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

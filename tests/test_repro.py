@@ -1,6 +1,7 @@
 """Reproducibility (issue 34): the same run beside a load and runs stopped from outside by a real
 signal at random moments end bit-identical to an undisturbed one (python -m minagi.bench repro,
-short); the comparison itself sees a one-bit change; --resume --steps N trains a run on to N."""
+short), as does a run killed (SIGKILL) and resumed; the comparison itself sees a one-bit change;
+--resume --steps N trains a run on to N."""
 import json
 import subprocess
 import sys
@@ -95,11 +96,18 @@ def test_resume_refuses_to_go_back(tmp_path, text_file):  # noqa: F811
     assert "Traceback" not in r.stderr
 
 
-def test_resume_naming_the_saved_steps_stays_exact(tmp_path, text_file):  # noqa: F811
+def test_resume_after_a_kill_naming_the_saved_steps_stays_exact(tmp_path, text_file):  # noqa: F811
+    # SIGKILL (a crash, no cleanup) after step 6: the last checkpoint and record are step 4's. The
+    # resumed run (--steps as saved) ends with every checkpoint entry and history record of an
+    # uninterrupted one, bit for bit.
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert _cli(*_args(text_file, 12), "--out", str(whole)).returncode == 0
+    r = _cli(*_args(text_file, 12), "--out", str(whole))
+    assert r.returncode == 0, r.stderr
     assert _signal_at(6, "KILL", *_args(text_file, 12), "--out", str(parts)).returncode == -9
-    assert _cli(*_args(text_file, 12), "--out", str(parts), "--resume").returncode == 0
+    assert [x["step"] for x in _history(parts)] == [4]
+    r = _cli(*_args(text_file, 12), "--out", str(parts), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert [x["step"] for x in _history(whole)] == [x["step"] for x in _history(parts)] == [4, 8, 12]
     assert differences(whole, parts) == []
 
 

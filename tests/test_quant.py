@@ -108,12 +108,12 @@ def test_quantize_names_the_problem(args, kwargs, match):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 32), (8, None)])
 def test_inputs_that_groups_do_not_divide(bits, group):
-    # 171 inputs (the default byte model's d_hidden): stored padded to whole 32-input blocks with
-    # zeros, the last group short (its scale from its own inputs only).
+    # 171 inputs (the default byte model's d_hidden): stored padded to whole groups with zeros, the
+    # last group short (its scale from its own inputs only).
     w = torch.randn(2, 171, 8)
     w[:, 160:] *= 0.01  # the short last group of 32 is small: its scale must come from it alone
     qw = quantize(w, bits, group, scale_dtype=torch.float32)
-    stored = 171 if group is None else 192
+    stored = 171 if group is None else -(-171 // group) * group
     assert qw.shape == w.shape and qw.in_features == 171
     assert tuple(qw.q.shape) == (2, 8, stored * bits // 8)
     assert tuple(qw.scale.shape) == ((2, 8) if group is None else (2, 8, -(-171 // group)))
@@ -125,11 +125,13 @@ def test_inputs_that_groups_do_not_divide(bits, group):
     if group == 32:
         assert (qw.scale[..., -1].abs() < 0.01 * 5 / 8).all()  # the short group's own peak / 8
     if bits == 4:  # the padding holds zeros (nibble 8)
-        tail = qw.q.view(2, 8, 6, 16)[:, :, -1]
-        lo, hi = tail & 15, tail >> 4
-        assert (lo[..., 11:] == 8).all() and (hi == 8).all()
-    with pytest.raises(ValueError, match="does not hold in_features=160"):
-        QuantizedWeight(qw.q, qw.scale, bits, group, torch.float32, 160 if group else 160)
+        b = qw.q.view(2, 8, -1, 16).to(torch.int16)
+        values = torch.stack([b & 15, b >> 4], dim=3).reshape(2, 8, stored) - 8
+    else:
+        values = qw.q.to(torch.int16)
+    assert (values[..., 171:] == 0).all() and values[..., :171].abs().amax(-1).min() > 0
+    with pytest.raises(ValueError, match="does not hold in_features=100"):
+        QuantizedWeight(qw.q, qw.scale, bits, group, torch.float32, 100)
 
 
 def test_the_class_checks_its_storage():
@@ -277,7 +279,7 @@ def test_qgrouped_mm_names_bad_arguments(compiled):
         ((a, q, s, order, rows, 3, 32), "bits must be 8 or 4"),
         ((a, q.view(torch.int8), s, order, rows, 4, 32), "int4 weights come as q of dtype uint8"),
         ((a[:, :128], q, s, order, rows, 4, 32), r"must hold a's 128 inputs"),
-        ((a[:, :200], q, s, order, rows, 4, 32), r"must hold a's 200 inputs padded to a multiple of 32 \(224\)"),
+        ((a[:, :200], q, s, order, rows, 4, 32), r"must hold a's 200 inputs padded to whole groups \(224\)"),
         ((a, q, s, order, rows, 4, 48), "group_size must be 0"),
         ((a, q, s, order, rows, 4, 0), "int4 needs a group_size"),
         ((a, q, s[:, :, :4], order, rows, 4, 32), r"scale must be \[S, out\]"),
@@ -478,7 +480,38 @@ def test_the_bench_runs_and_reports_every_format(tmp_path):
     assert {(r["format"], r["mode"]) for r in rows} == {(f, m) for f in bench.FORMATS for m in ("decode", "prefill")}
     for r in rows:
         assert r["ms"] > 0 and r["mb"] > 0 and r["of_read"] > 0 and r["x_bf16"] > 0
-    assert not bench.fits("gpt_oss", "int4_g128")  # 2,880 inputs: no groups of 128
+
+
+def test_bench_llama_says_in_one_line_what_it_misses(tmp_path, capsys):
+    # llama-cpp-python, or llama.cpp's convert_hf_to_gguf.py: either missing, one line and nothing run.
+    from minagi.bench import llama as bench
+
+    assert bench.main(["--convert", str(tmp_path / "convert_hf_to_gguf.py"), "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("bench llama: skipped, ") and not any(tmp_path.iterdir())
+
+
+def _llama_convert():
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    path = os.environ.get("MINAGI_LLAMA_CONVERT")
+    return Path(path) if path and Path(path).is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_llama_convert() is None, reason="needs llama-cpp-python and $MINAGI_LLAMA_CONVERT "
+                                                     "(llama.cpp's convert_hf_to_gguf.py)")
+def test_bench_llama_engines_compute_the_same_function(tmp_path):
+    # The small float32 model through llama.cpp's converter and engine, and through transformers
+    # with minagi's experts: the same greedy tokens, the same logits to float32 rounding.
+    from minagi.bench import llama as bench
+
+    prompt = torch.randint(0, 8192, (32,), generator=torch.Generator().manual_seed(2)).tolist()
+    c = bench.check_same_function(tmp_path, _llama_convert(), 2, prompt)
+    assert c["same_tokens"] == c["tokens"] == 17
+    assert c["logits_max_abs_diff"] < 1e-5 * max(1.0, c["logits_max_abs"])
 
 
 @requires_ext

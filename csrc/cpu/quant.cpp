@@ -96,7 +96,7 @@ void qdot_portable(const acc_t* x, int nr, const uint8_t* q, int64_t q_row, cons
     const uint8_t* qc = q + c * q_row;
     acc_t sum[kSmallRows] = {};
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t g1 = std::min(K, (g + 1) * gs);  // the last group may be short
+      const int64_t g1 = (g + 1) * gs;
       acc_t part[kSmallRows] = {};
       int64_t i = g * gs;
       for (; i + 32 <= g1; i += 32) {
@@ -191,7 +191,7 @@ void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_
     for (int r = 0; r < R; ++r) {
       for (int64_t g = 0; g < G; ++g) {
         float t = 0.0f;
-        for (int64_t b = g * gs / 32; b < std::min(K, (g + 1) * gs) / 32; ++b) {
+        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
           int32_t sb = 0;
           for (int64_t i = b * 32; i < b * 32 + 32; ++i) sb += x16[r * K + i];
           t += static_cast<float>(sb) * xscale[r * B + b];
@@ -221,8 +221,8 @@ void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_
     const int16_t* xp[R];
     const float* sp[R];  // each block's scale (groups of 32: sfx; else the row's block scales)
     for (int r = 0; r < R; ++r) xp[r] = x16 + r * K, sp[r] = gs == 32 ? sfx + r * G : xscale + r * B;
+    const int64_t blocks = gs / 32;
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t blocks = (std::min(K, (g + 1) * gs) - g * gs) / 32;  // the last group may be short
       __m256 grp[R];  // the group's sum (longer groups)
       for (int r = 0; r < R; ++r) grp[r] = _mm256_setzero_ps();
       for (int64_t k = 0; k < blocks; ++k, qb += bits == 8 ? 32 : 16) {
@@ -417,10 +417,11 @@ const F32Kernels& f32_kernels() {
 
 // ---------------------------------------------------------------- the op
 
-// The inputs a channel stores: K, or with groups K rounded up to whole 32-input blocks (the
-// padding's values are zeros, and the kernels pad the rows with zeros to match).
+// The inputs a channel stores: K, or with groups K rounded up to whole groups (a short last
+// group's padding holds zeros, and the kernels pad the rows with zeros to match, so every loop
+// runs over whole groups).
 int64_t padded_inputs(int64_t K, int64_t group_size) {
-  return group_size > 0 ? (K + kBlock - 1) / kBlock * kBlock : K;
+  return group_size > 0 ? (K + group_size - 1) / group_size * group_size : K;
 }
 
 void check_qgrouped_mm_args(const at::Tensor& a, const at::Tensor& q, const at::Tensor& scale, int64_t bits,
@@ -441,17 +442,18 @@ void check_qgrouped_mm_args(const at::Tensor& a, const at::Tensor& q, const at::
                     "got ", group_size);
   const int64_t stored = padded_inputs(K, group_size);
   TORCH_CHECK_VALUE(q.size(2) * per_byte == stored, "minagi.qgrouped_mm: q [S, out, ", bits == 8 ? "in" : "in / 2",
-                    "] must hold a's ", K, " inputs", stored == K ? "" : " padded to a multiple of 32 (", stored,
+                    "] must hold a's ", K, " inputs", stored == K ? "" : " padded to whole groups (", stored,
                     stored == K ? "" : ")", ", got q of shape ", q.sizes());
   const auto st = scale.scalar_type();
   TORCH_CHECK_VALUE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
                     "minagi.qgrouped_mm: scale must be float32, bfloat16 or float16, got ", st);
+  const int64_t groups = group_size > 0 ? (K + group_size - 1) / group_size : 1;
   const bool shape_ok = group_size == 0 ? scale.dim() == 2 && scale.size(0) == q.size(0) && scale.size(1) == q.size(1)
                                         : scale.dim() == 3 && scale.size(0) == q.size(0) &&
-                                              scale.size(1) == q.size(1) && scale.size(2) == (K + group_size - 1) / group_size;
+                                              scale.size(1) == q.size(1) && scale.size(2) == groups;
   TORCH_CHECK_VALUE(shape_ok, "minagi.qgrouped_mm: scale must be [S, out] = [", q.size(0), ", ", q.size(1),
-                    "] for group_size 0, else [S, out, ceil(in / group_size)]; got ", scale.sizes(), " with group_size ",
-                    group_size, " and ", K, " inputs");
+                    "] for group_size 0, else [S, out, ceil(in / group_size)]; got ", scale.sizes(),
+                    " with group_size ", group_size, " and ", K, " inputs");
   check_same_device(a, q, op, "a", "q");
   check_same_device(a, scale, op, "a", "scale");
 }

@@ -66,9 +66,9 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 // work: G + R * G floats of the caller's scratch (the channel's scales, and for int4 each row's
 // group sums).
 // y[r * ldy + c] = sum_i x[r * K + i] * value(c, i) * s[c * G + i / gs] for the channels c < nch
-// (channel c's bytes at q + c * q_row): int8 values, K inputs, G = ceil(K / gs) groups, the last
-// one short where gs does not divide K (gs = K for one scale per channel, where K need not be a
-// multiple of 32; with groups it is: the stored inputs, padded). Within a group each row keeps U chains
+// (channel c's bytes at q + c * q_row): int8 values, K inputs, G = K / gs groups (gs = K for one
+// scale per channel, where K need not be a multiple of 32; with groups K is the stored inputs,
+// padded to whole groups). Within a group each row keeps U chains
 // of products (the blocks' vectors in turn), enough independent FMAs to hide their latency with
 // groups of 32 or more; each group's sum is scaled into A accumulators in turn.
 template <int R, int U, typename S>
@@ -85,7 +85,7 @@ void qdot8(const float* x, float* work, const uint8_t* q, int64_t q_row, const S
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t g1 = std::min(K, (g + 1) * gs);  // the last group may be short
+      const int64_t g1 = (g + 1) * gs;
       reg part[R][U];
       for (int r = 0; r < R; ++r)
         for (int u = 0; u < U; ++u) part[r][u] = V::zero();
@@ -127,7 +127,7 @@ void qdot4(const float* x, float* work, const uint8_t* q, int64_t q_row, const S
   constexpr int L = V::L, A = R <= 2 ? 2 : 1;
   float *sf = work, *xs = work + G;
   for (int r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) xs[r * G + g] = sum_f32(x + r * K + g * gs, std::min(gs, K - g * gs));
+    for (int64_t g = 0; g < G; ++g) xs[r * G + g] = sum_f32(x + r * K + g * gs, gs);
   for (int64_t c = 0; c < nch; ++c) {
     const uint8_t* qc = q + c * q_row;
     scales_f32(s + c * G, G, sf);
@@ -139,7 +139,7 @@ void qdot4(const float* x, float* work, const uint8_t* q, int64_t q_row, const S
       reg part[R][U];
       for (int r = 0; r < R; ++r)
         for (int u = 0; u < U; ++u) part[r][u] = V::zero();
-      for (int64_t i = g * gs; i < std::min(K, (g + 1) * gs); i += 32, qb += 16) {
+      for (int64_t i = g * gs; i < (g + 1) * gs; i += 32, qb += 16) {
         for (int v = 0; v < 16 / L; ++v) {
           const auto d = V::u8(qb + v * L);
           const reg lo = V::to_float(V::and_15(d)), hi = V::to_float(V::srl4(d));

@@ -22,9 +22,9 @@ First, a check that both engines compute the same function: a small model of the
 (2 layers, hidden 256, 16 experts, top 4) in float32 on both, greedy tokens and the prompt's last
 logits compared.
 
-Needs transformers and llama-cpp-python (pip install --no-build-isolation -e ".[bench]": pip
-builds llama.cpp from source, which takes a while) and the convert_hf_to_gguf.py of the same
-llama.cpp (in llama-cpp-python's sdist, vendor/llama.cpp/). Where either is missing the bench
+Needs transformers and llama-cpp-python (pip builds llama.cpp from source, which takes a while;
+docs/quant.md gives the commands) and the convert_hf_to_gguf.py of the same llama.cpp (in
+llama-cpp-python's sdist, vendor/llama.cpp/). Where either is missing the bench
 says so in one line and runs nothing. Nothing else should run beside it: the figures are times.
 """
 from __future__ import annotations
@@ -142,16 +142,27 @@ def gguf_file(work: Path, hf_dir: Path, convert: Path, kind: str) -> Path:
 class LlamaCpp:
     """One GGUF loaded by llama-cpp-python, decoding greedily from token ids."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int):
-        from llama_cpp import Llama
+    def __init__(self, path: Path, threads: int, n_ctx: int, f32_cache: bool = False):
+        from llama_cpp import GGML_TYPE_F32, Llama
 
+        # f32_cache: the attention cache in float32 (its default is float16), for the float32 check.
+        cache = dict(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32) if f32_cache else {}
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, seed=0, verbose=False)
+                         n_threads_batch=threads, seed=0, verbose=False, **cache)
+
+    def _logits(self) -> torch.Tensor:
+        """The last evaluated token's logits, read from llama.cpp's own buffer (the binding keeps
+        them only with logits_all, which would compute every prompt token's)."""
+        import llama_cpp
+        import numpy as np
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).copy())
 
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         self.llm.reset()
         self.llm.eval(prompt)
-        return torch.from_numpy(self.llm.scores[self.llm.n_tokens - 1].copy())
+        return self._logits()
 
     def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
         out = []
@@ -160,7 +171,7 @@ class LlamaCpp:
             out.append(int(logits.argmax()))
             if i + 1 < new_tokens:
                 self.llm.eval([out[-1]])
-                logits = torch.from_numpy(self.llm.scores[self.llm.n_tokens - 1])
+                logits = self._logits()
         return out
 
     def close(self):
@@ -176,6 +187,7 @@ class Minagi:
         from ..moe import hf
 
         hf.register()
+        transformers.utils.logging.disable_progress_bar()
         self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
         self.model.set_experts_implementation("minagi")
         if quant is not None:
@@ -199,7 +211,7 @@ class Minagi:
 def check_same_function(work: Path, convert: Path, threads: int, prompt: list[int], new_tokens: int = 17) -> dict:
     """Both engines on the small float32 model: greedy tokens and the prompt's last logits."""
     hf_dir = hf_model_dir(work, CHECK, torch.float32, "check-f32")
-    ours, theirs = Minagi(hf_dir, torch.float32, None), LlamaCpp(gguf_file(work, hf_dir, convert, "F32"), threads, 256)
+    ours, theirs = Minagi(hf_dir, torch.float32, None), LlamaCpp(gguf_file(work, hf_dir, convert, "F32"), threads, 256, True)
     a, b = ours.last_logits(prompt), theirs.last_logits(prompt)
     ta, tb = ours.generate(prompt, new_tokens), theirs.generate(prompt, new_tokens)
     ours.close(), theirs.close()
@@ -235,9 +247,9 @@ def time_format(work, convert, fmt, threads, prompt, new_tokens, rounds, compile
         for e in engines.values():
             e.close()
         out[width] = {name: statistics.median(v) for name, v in times.items()}
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.reset()
+        _dynamo.reset()
     return out
 
 
@@ -289,7 +301,7 @@ def main(argv=None) -> int:
         import llama_cpp
         import transformers
     except ImportError as e:
-        print(MISSING.format(what=f"{e.name} is not installed (pip install --no-build-isolation -e \".[bench]\")"))
+        print(MISSING.format(what=f"{e.name} is not installed (docs/quant.md: side by side with llama.cpp)"))
         return 0
     convert = _convert_script(a.convert)
     if convert is None or not convert.is_file():

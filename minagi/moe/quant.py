@@ -16,8 +16,9 @@ inputs contiguous (llama.cpp's layout: one output channel's weights are one run 
   scale    [S, out] with group_size None (one per output channel), else [S, out, ceil(in /
            group_size)]: float16, bfloat16 (the default) or float32
 
-in' is in, or with groups in rounded up to a multiple of 32: the padding holds zeros (the last
-group is short where group_size does not divide in), and in_features keeps the logical in.
+in' is in, or with groups in rounded up to whole groups: where group_size does not divide in, the
+last group is short (its scale from its own inputs) and its padding holds zeros; in_features keeps
+the logical in.
 
 Symmetric: weight = value * scale, no zero point. In each group the weight of the largest
 magnitude is mapped to -2^(bits - 1) (-128, -8; llama.cpp's Q4_0 rule), so all 2^bits levels are
@@ -48,8 +49,8 @@ class QuantizedWeight:
 
     q, scale: the stored tensors; bits (8 or 4); group_size (None: per output channel, else a
     multiple of 32); dtype: the float dtype it dequantizes to and computes in (x's dtype in
-    expert_mlp); in_features: the logical inputs (None: all q stores, which with groups may hold up
-    to 31 inputs of padding past them)."""
+    expert_mlp); in_features: the logical inputs (None: all q stores, which with groups may hold
+    padding past them, up to the end of the last group)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int | None, dtype: torch.dtype,
                  in_features: int | None = None):
@@ -145,9 +146,9 @@ _NO_GRAD = ("a QuantizedWeight takes no gradient: its values are integers, and e
 
 
 def stored_inputs(n_in: int, group_size: int | None) -> int:
-    """The inputs a channel stores: n_in, or with groups n_in rounded up to whole 32-input blocks
-    (csrc/cpu/quant.cpp padded_inputs)."""
-    return n_in if group_size is None else -(-n_in // BLOCK) * BLOCK
+    """The inputs a channel stores: n_in, or with groups n_in rounded up to whole groups
+    (csrc/cpu/quant.cpp padded_inputs), so the kernels run over whole groups only."""
+    return n_in if group_size is None else -(-n_in // group_size) * group_size
 
 
 def _check_storage(q, scale, bits, group_size, dtype, in_features) -> int:
@@ -236,14 +237,13 @@ def quantize(w_SIO: torch.Tensor, bits: int = 8, group_size: int | None = None,
         s = scale.to(work)
         ratio = torch.where(s == 0, 0.0, w_SOGg / torch.where(s == 0, 1.0, s))
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-        n_q = stored_inputs(n_in, group_size)
-        v = ratio.round().clamp(lo, hi).reshape(S, n_out, n_pad)[..., :n_q]
+        v = ratio.round().clamp(lo, hi).reshape(S, n_out, n_pad)  # n_pad: stored_inputs(n_in, group_size)
         scale = scale.reshape(S, n_out) if group_size is None else scale.reshape(S, n_out, n_pad // g)
         if bits == 8:
             q = v.to(torch.int8).contiguous()
         else:
-            u = (v + 8).to(torch.uint8).reshape(S, n_out, n_q // BLOCK, 2, BLOCK // 2)
-            q = (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(S, n_out, n_q // 2).contiguous()
+            u = (v + 8).to(torch.uint8).reshape(S, n_out, n_pad // BLOCK, 2, BLOCK // 2)
+            q = (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(S, n_out, n_pad // 2).contiguous()
     return QuantizedWeight(q, scale.contiguous(), bits, group_size, w_SIO.dtype, n_in)
 
 

@@ -254,10 +254,10 @@ def dequantize(q_SOX, scale, bits: int, group_size: int, dtype: torch.dtype, n_i
     """The float weight [S, out, in] that quantized storage stands for (minagi/moe/quant.py's format):
     bits 8: q [S, out, in'] int8; bits 4: q [S, out, in' / 2] uint8, each 32 inputs' block in 16
     bytes, byte j holding input j in its low nibble and input j + 16 in its high one, each nibble the
-    value + 8. scale [S, out] (group_size 0: one per output channel) or [S, out, ceil(in' /
-    group_size)], the last group short where group_size does not divide in'. in' is what q stores:
-    n_in (default: all of it) and up to 31 inputs of padding past it, left out.
-    Computed in float32 (float64 for float64), where q * scale is exact, then cast to dtype."""
+    value + 8. scale [S, out] (group_size 0: one per output channel) or [S, out, in' / group_size].
+    in' is what q stores: n_in (default: all of it), and with groups the padding past it to the end
+    of the last group (zeros), left out. Computed in float32 (float64 for float64), where q * scale
+    is exact, then cast to dtype."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     if bits == 8:
         v_SOI = q_SOX.to(work)
@@ -268,14 +268,12 @@ def dequantize(q_SOX, scale, bits: int, group_size: int, dtype: torch.dtype, n_i
     else:
         raise ValueError(f"minagi.dequantize: bits must be 8 or 4, got {bits}")
     s = scale.to(work)
-    v_SOI = v_SOI if n_in is None else v_SOI[..., :n_in]
     if group_size == 0:
-        return (v_SOI * s.unsqueeze(-1)).to(dtype)
-    S, O, I = v_SOI.shape
-    n_grouped = s.shape[-1] * group_size  # whole groups: the short last one padded, then left out
-    v_SOI = torch.nn.functional.pad(v_SOI, (0, n_grouped - I)) if n_grouped != I else v_SOI
-    w_SOGg = v_SOI.view(S, O, n_grouped // group_size, group_size) * s.unsqueeze(-1)
-    return w_SOGg.view(S, O, n_grouped)[..., :I].to(dtype)
+        w_SOI = v_SOI * s.unsqueeze(-1)
+    else:
+        S, O, I = v_SOI.shape
+        w_SOI = (v_SOI.view(S, O, I // group_size, group_size) * s.unsqueeze(-1)).view(S, O, I)
+    return (w_SOI if n_in is None else w_SOI[..., :n_in]).to(dtype)
 
 
 def qgrouped_mm(a_EI, q_SOX, scale, slot_ids_A, slot_rows_A, bits: int, group_size: int, *, ops=None):

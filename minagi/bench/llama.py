@@ -10,7 +10,8 @@ Q8_0 and Q4_0 are made from the BF16 file by llama.cpp's quantizer (llama_model_
 Rows, per format (minagi's experts in int8 / int4 g32 against llama.cpp's Q8_0 / Q4_0; bf16
 against BF16):
   tok/s     greedy decode: --new-tokens tokens after a --prompt-token prompt (the prompt's
-            forward counted), the median of --rounds rounds, the two engines in turn each round;
+            forward counted), the median of --rounds rounds, each round running both engines
+            on both models (below) in a rotated order;
   experts   each engine's experts, ms per token: the same run's time less that of the same model
             with experts 8 wide, over the tokens (llama.cpp's binding reports no per-op time, so
             both sides are measured this one way);
@@ -226,30 +227,34 @@ def _timed(engine, prompt, new_tokens) -> float:
 
 
 def time_format(work, convert, fmt, threads, prompt, new_tokens, rounds, compiled) -> dict:
-    """Seconds per run, the median of `rounds` (after one warm-up run each), for both engines on
-    the full model and on the 8-wide one, the engines in turn each round."""
+    """Seconds per run, the median of `rounds` (after one warm-up round), of both engines on the
+    full model and on the 8-wide one: all four in each round, in a rotated order, so a change in
+    the machine's pace falls on the full and the narrow runs alike (their difference is the
+    experts' time). With compiled, minagi's full model under torch.compile after them."""
     quant, kind = FORMATS[fmt]
-    out = {}
+    engines = {}
     for width, fields in (("full", MODEL), ("narrow", {**MODEL, "moe_intermediate_size": NARROW})):
         hf_dir = hf_model_dir(work, fields, torch.bfloat16, f"qwen3-moe-{fields['moe_intermediate_size']}")
-        engines = {"llama.cpp": LlamaCpp(gguf_file(work, hf_dir, convert, kind), threads, 256),
-                   "minagi": Minagi(hf_dir, torch.bfloat16, quant)}
-        times = {name: [] for name in engines}
-        for r in range(rounds + 1):
-            for name in (list(engines) if r % 2 else list(engines)[::-1]):
-                t = _timed(engines[name], prompt, new_tokens)
-                if r:  # round 0 warms up
-                    times[name].append(t)
-        if compiled and width == "full":
-            engines["minagi"].compiled = True
-            _timed(engines["minagi"], prompt, new_tokens)  # compiles
-            times["minagi compiled"] = [_timed(engines["minagi"], prompt, new_tokens) for _ in range(rounds)]
-        for e in engines.values():
-            e.close()
-        out[width] = {name: statistics.median(v) for name, v in times.items()}
-        from torch import _dynamo
+        engines["llama.cpp", width] = LlamaCpp(gguf_file(work, hf_dir, convert, kind), threads, 256)
+        engines["minagi", width] = Minagi(hf_dir, torch.bfloat16, quant)
+    order, times = list(engines), {key: [] for key in engines}
+    for r in range(rounds + 1):
+        for key in order[r % len(order):] + order[:r % len(order)]:
+            t = _timed(engines[key], prompt, new_tokens)
+            if r:  # round 0 warms up
+                times[key].append(t)
+    out = {width: {name: statistics.median(times[name, width]) for name in ("llama.cpp", "minagi")}
+           for width in ("full", "narrow")}
+    if compiled:
+        ours = engines["minagi", "full"]
+        ours.compiled = True
+        _timed(ours, prompt, new_tokens)  # compiles
+        out["full"]["minagi compiled"] = statistics.median(_timed(ours, prompt, new_tokens) for _ in range(rounds))
+    for e in engines.values():
+        e.close()
+    from torch import _dynamo
 
-        _dynamo.reset()
+    _dynamo.reset()
     return out
 
 
@@ -286,7 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=str(Path.home() / ".cache" / "minagi" / "bench-llama"),
                    help="where the models are made once and kept (about 12 GB)")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"a subset of {', '.join(FORMATS)}")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (median kept), after one warm-up")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (median kept), after one warm-up")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens a run")
     p.add_argument("--prompt-tokens", type=int, default=32, help="the prompt's tokens")
     p.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's)")

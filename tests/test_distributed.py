@@ -267,12 +267,15 @@ def test_rank_streams_are_the_one_process_batch_split():
     assert torch.equal(torch.cat([micro[0][0], micro[1][0]]), one[0][0])
 
 
-def test_threads_split_the_cores_among_local_ranks():
-    d = distributed.Dist(rank=1, world=4, local_rank=1, local_world=2, active=True)
-    cores = len(os.sched_getaffinity(0))
-    assert distributed.threads(0, d) == max(1, cores // 2)
+@pytest.mark.parametrize("cores,local_world,want", [(8, 2, 4), (8, 3, 2), (2, 2, 1), (1, 2, 1), (6, 1, 6)])
+def test_threads_split_the_cores_among_local_ranks(monkeypatch, cores, local_world, want):
+    # The cores this process may run on (its affinity, not the machine's count), shared among the
+    # ranks on this machine, at least one each; a set train.threads is kept as it is.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(100, 100 + cores)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    d = distributed.Dist(rank=1, world=2 * local_world, local_rank=1, local_world=local_world, active=True)
+    assert distributed.threads(0, d) == want
     assert distributed.threads(3, d) == 3
-    assert distributed.threads(0, distributed.SINGLE) == cores
 
 
 def test_torchrun_without_torch_distributed_says_what_is_missing(monkeypatch):

@@ -624,12 +624,13 @@ def test_gather_mm_act_half_precision(compiled, dtype):
     assert_close(compiled.gather_mm_act(*args), REF.gather_mm_act(*args), dtype, scale=4)
 
 
-def test_gather_mm_act_cuts_a_slot_too_wide_for_one_tile():
-    # A row of x and h wider than a tile's share: each slot's rows go through in several tiles.
+def test_gather_mm_act_takes_a_slot_too_wide_for_a_tile_whole():
+    # A slot's rows of x and h past a tile (16 rows of 174,760 bytes): its rows gathered whole and
+    # multiplied by one GEMM, as grouped_mm_act does.
     if not ops.has_fused("gather_mm_act", torch.device("cpu")):
         pytest.skip("no compiled gather_mm_act in this build")
-    args = _gma_problem("uniform", torch.float32, M=43_682)  # 174,760 bytes a row: 12 rows a tile
-    assert set(args[4].tolist()) == {16}  # each slot: a tile of 12 rows, then 4 (the few-rows kernel)
+    args = _gma_problem("uniform", torch.float32, M=43_682)
+    assert set(args[4].tolist()) == {16}
     assert_close(ops.compiled().gather_mm_act(*args), REF.gather_mm_act(*args), torch.float32, scale=4)
 
 

@@ -109,21 +109,20 @@ at::Tensor gather_mm_act_cpu(const at::Tensor& x_in, const at::Tensor& b, const 
   at::Tensor out = empty_output({E, act_gated(act) ? M / 2 : M}, x.options());
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const auto parts = plan_parts(slot_ids.contiguous(), start, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(8, tile_bytes / std::max<int64_t>(1, (D + M) * x.element_size()));
   MINAGI_DISPATCH_FLOATING(x.scalar_type(), "minagi_gather_mm_act", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t* rp = row_pair.data_ptr<int64_t>();
     run_parts(parts, [&](const Part& p) {
+      // One tile a part: the busiest range fits in one (above), so any part of a range does.
       const auto [lo, hi] = part_range(p.nr, p.part, p.parts, 8);
-      for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
-        const int64_t r0 = p.r0 + c0, nr = std::min(chunk, hi - c0);
-        std::vector<scalar_t> own;
-        scalar_t* tile = thread_scratch<scalar_t>(nr * (D + M), own);
-        scalar_t* h = tile + nr * D;
-        gather_pair_rows(tile, xp, rp + r0, nr, k, D);
-        slot_mm<scalar_t>(tile, b, p.slot, h, nr, bias.defined() ? bias.data_ptr<scalar_t>() + p.slot * M : nullptr);
-        act_forward(act, at::from_blob(h, {nr, M}, x.options()), out.narrow(0, r0, nr), alpha, limit);
-      }
+      const int64_t r0 = p.r0 + lo, nr = hi - lo;
+      if (nr <= 0) return;
+      std::vector<scalar_t> own;
+      scalar_t* tile = thread_scratch<scalar_t>(nr * (D + M), own);
+      scalar_t* h = tile + nr * D;
+      gather_pair_rows(tile, xp, rp + r0, nr, k, D);
+      slot_mm<scalar_t>(tile, b, p.slot, h, nr, bias.defined() ? bias.data_ptr<scalar_t>() + p.slot * M : nullptr);
+      act_forward(act, at::from_blob(h, {nr, M}, x.options()), out.narrow(0, r0, nr), alpha, limit);
     });
   });
   zero_tail(out, start.back());

@@ -212,7 +212,8 @@ class Minagi:
 def check_same_function(work: Path, convert: Path, threads: int, prompt: list[int], new_tokens: int = 17) -> dict:
     """Both engines on the small float32 model: greedy tokens and the prompt's last logits."""
     hf_dir = hf_model_dir(work, CHECK, torch.float32, "check-f32")
-    ours, theirs = Minagi(hf_dir, torch.float32, None), LlamaCpp(gguf_file(work, hf_dir, convert, "F32"), threads, 256, True)
+    ours = Minagi(hf_dir, torch.float32, None)
+    theirs = LlamaCpp(gguf_file(work, hf_dir, convert, "F32"), threads, 256, f32_cache=True)
     a, b = ours.last_logits(prompt), theirs.last_logits(prompt)
     ta, tb = ours.generate(prompt, new_tokens), theirs.generate(prompt, new_tokens)
     ours.close(), theirs.close()

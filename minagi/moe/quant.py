@@ -201,8 +201,9 @@ def quantize(w_SIO: torch.Tensor, bits: int = 8, group_size: int | None = None,
     """w [S, in, out] (contiguous, or the .mT view of an [S, out, in] weight) as a QuantizedWeight
     of `bits` (8 or 4) with one scale per output channel (group_size None; int8 only) or per
     `group_size` inputs (a multiple of 32: 32 or 128; where it does not divide in, the last group
-    is short), scales in scale_dtype. It dequantizes to w's dtype. Symmetric: in each group the weight of the largest magnitude maps to
-    -2^(bits - 1), every value is round(w / scale) clamped to [-2^(bits - 1), 2^(bits - 1) - 1]."""
+    is short), scales in scale_dtype. It dequantizes to w's dtype. Symmetric: in each group the
+    weight of the largest magnitude maps to -2^(bits - 1), every value is round(w / scale) clamped
+    to [-2^(bits - 1), 2^(bits - 1) - 1]."""
     if not isinstance(w_SIO, torch.Tensor):
         raise TypeError(f"quantize: the weight must be a torch.Tensor, got {type(w_SIO).__name__}")
     if bits not in BITS:

@@ -38,13 +38,24 @@ def test_sampler_watches_another_process(tmp_path):
 
 
 def test_sampler_stops_when_the_process_exits(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    # The child lives until told to go (its stdin closed), after the sampler's first row: a fixed
+    # sleep could end before a sampler slowed by a busy machine has even started.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     out = tmp_path / "mem.csv"
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "mem_sampler.py"), str(child.pid), "--out", str(out),
-                        "--every", "0.2"], capture_output=True, text=True, timeout=60)
-    child.wait()
-    assert r.returncode == 0, r.stderr
-    assert 1 <= len(_rows(out)) <= 30
+    sampler = subprocess.Popen([sys.executable, str(ROOT / "tools" / "mem_sampler.py"), str(child.pid), "--out",
+                                str(out), "--every", "0.2"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and len(out.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+            assert sampler.poll() is None, sampler.stderr.read()
+            time.sleep(0.1)
+        child.stdin.close()
+        child.wait(timeout=30)
+        assert sampler.wait(timeout=30) == 0, sampler.stderr.read()
+    finally:
+        child.kill()
+        sampler.kill()
+    assert len(_rows(out)) >= 1
 
 
 def test_sampler_rejects_a_missing_process(tmp_path):

@@ -173,7 +173,7 @@ def _check_storage(q, scale, bits, group_size, dtype, in_features) -> int:
     S, O, X = q.shape
     n_stored = X * (8 // bits)
     n_in = n_stored if in_features is None else in_features
-    _check_group(n_in, bits, group_size)
+    _check_group(bits, group_size)
     if isinstance(n_in, bool) or not isinstance(n_in, int) or stored_inputs(n_in, group_size) != n_stored:
         fail(f"q {tuple(q.shape)} stores {n_stored} inputs a channel, which does not hold in_features={n_in!r} "
              f"(int{bits}, group_size={group_size}: {n_in!r} inputs are stored as "
@@ -185,7 +185,7 @@ def _check_storage(q, scale, bits, group_size, dtype, in_features) -> int:
     return n_in
 
 
-def _check_group(n_in: int, bits: int, group_size) -> None:
+def _check_group(bits: int, group_size) -> None:
     if group_size is None:
         if bits == 4:
             raise ValueError("quantize: int4 needs a group_size (32, as llama.cpp's Q4_0, or 128, as GPTQ/AWQ's): "
@@ -218,7 +218,7 @@ def quantize(w_SIO: torch.Tensor, bits: int = 8, group_size: int | None = None,
         raise ValueError(f"quantize: scale_dtype must be torch.bfloat16, torch.float16 or torch.float32, got "
                          f"{scale_dtype}")
     S, n_in, n_out = w_SIO.shape
-    _check_group(n_in, bits, group_size)
+    _check_group(bits, group_size)
     with torch.no_grad():
         work = torch.float64 if w_SIO.dtype == torch.float64 else torch.float32
         w_SOI = w_SIO.detach().mT.to(work)  # output-major: each channel's inputs contiguous

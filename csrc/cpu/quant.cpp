@@ -58,6 +58,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // int4's packing block: 32 inputs in 16 bytes, and the unit of a group
 
+// The int16 loops' sums in flight (channels x rows, qdot_i16): enough chains to hide the FMA's latency.
+constexpr int kI16Chains = 4;
+
+// The scratch qdot_i16 takes (work), in floats: the rows' group sums, the channels' scales and
+// their products with the rows' block scales.
+constexpr int64_t i16_work(int64_t R, int64_t G) { return (2 * kI16Chains + R) * G; }
+
 // ---------------------------------------------------------------- portable
 
 // A scale as acc_t, from float32, bfloat16 (its bits as uint16_t) or float16 (c10::Half).
@@ -176,18 +183,138 @@ struct V {
 // The rows as int16 (bfloat16 and float16 activations; qdot_i16): y[r * ldy + c] = sum_b xscale[r *
 // K / 32 + b] * sum_{i in block b} x16[r * K + i] * value(c, i) * s[c * G + i / gs], each 32-input
 // block's products summed in int32 by vpmaddwd (two weights an instruction a lane, exact), then
-// converted and scaled once. Groups of 32: each block's scale times the row's block scale, a
-// vector product a channel; longer groups: the blocks' sums scaled by the row's block scales
-// into the group's sum, which is scaled once. int4 multiplies the stored nibbles (value + 8) and
-// takes 8 x sum_g scale_g x (the row's sum over g) off once a channel. Needs K a multiple of 32.
-// work: G + 2 * R * G floats.
+// converted and scaled once. Groups of 32: each block's scale times the row's block scale,
+// multiplied out before the loop; longer groups: the blocks' sums scaled by the row's block
+// scales into the group's sum, which is scaled once. int4 multiplies the stored nibbles (value +
+// 8) and takes 8 x sum_g scale_g x (the row's sum over g) off once a channel. Needs K a multiple
+// of 32.
+//
+// C channels go through the loop together (qdot_i16_channels), C = 4 / R: each row block's int16
+// values are loaded once for all C, and the C x R sums are the independent chains that hide the
+// FMA's latency, so the loop carries nothing else.
+// One block's 32 weights of a channel as int16: int8 sign-extended; int4 the stored nibbles
+// (value + 8), low nibbles the block's first 16 inputs.
+template <int bits>
+inline void block_i16(const uint8_t* p, __m256i& w0, __m256i& w1) {
+  if constexpr (bits == 8) {
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  } else {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w0 = _mm256_and_si256(v, _mm256_set1_epi16(15));
+    w1 = _mm256_srli_epi16(v, 4);
+  }
+}
+
+// The block's products of a channel's weights and a row's int16 values, summed to 8 lanes.
+inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t* x) {
+  const __m256i* xr = reinterpret_cast<const __m256i*>(x);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
+                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1))));
+}
+
+// The cache lines of n bytes from p, asked for ahead of their use. The loops read C channels at
+// once, C streams a few hundred bytes apart, which the CPU's own prefetchers follow poorly; each
+// block asks for its share of the next C channels' bytes.
+template <int64_t n>
+inline void prefetch_lines(const char* p) {
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+inline void prefetch_span(const void* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
+// out[i] = a[i] * b[i], i < n.
+inline void mul_f32(const float* a, const float* b, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  for (; i < n; ++i) out[i] = a[i] * b[i];
+}
+
+// C channels (q: the first; q_row bytes apart) against R rows. The loops over c and r are
+// unrolled, so the C x R sums stay in registers. Pointers are stepped along, not indices: the
+// build's -fwrapv keeps GCC from reducing index arithmetic, which cost such a loop a third of
+// its speed.
+template <int bits, int R, int C, bool kG32, typename S>
+inline void qdot_i16_channels(const int16_t* x16, const float* xscale, const float* xs, float* work, const uint8_t* q,
+                              int64_t q_row, const S* s, int64_t G, int64_t K, int64_t gs, float* y, int64_t ldy) {
+  constexpr int64_t step = bits == 8 ? 32 : 16;  // a block's bytes
+  const int64_t B = K / 32;
+  float* sf = work;  // the channels' scales [C][G]
+  for (int c = 0; c < C; ++c) scales_f32(s + c * G, G, sf + c * G);
+  prefetch_span(s + C * G, C * G * sizeof(S));  // the next channels
+  __m256 acc[C][R];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
+  const uint8_t* qb = q;
+  const int16_t* xb = x16;
+  if constexpr (kG32) {  // one block a group: its scale times the row's block scale, multiplied out first
+    float* sfx = work + C * G;  // [C][R][B]
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) mul_f32(sf + c * G, xscale + r * B, B, sfx + (c * R + r) * B);
+    const float* sp = sfx;
+    const char* pf = reinterpret_cast<const char*>(q + C * q_row);
+    for (int64_t b = 0; b < B; ++b, qb += step, xb += 32, ++sp, pf += C * step) {
+      prefetch_lines<C * step>(pf);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        __m256i w0, w1;
+        block_i16<bits>(qb + c * q_row, w0, w1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          acc[c][r] = _mm256_fmadd_ps(block_dot(w0, w1, xb + r * K), _mm256_broadcast_ss(sp + (c * R + r) * B),
+                                      acc[c][r]);
+      }
+    }
+  } else {  // longer groups: the blocks' sums in the row's block scales, then the group's scale once
+    const float* sp = xscale;
+    const float* sc = sf;
+    const char* pf = reinterpret_cast<const char*>(q + C * q_row);
+    for (int64_t g = 0; g < G; ++g, ++sc) {
+      __m256 grp[C][R];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) grp[c][r] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < gs / 32; ++k, qb += step, xb += 32, ++sp, pf += C * step) {
+        prefetch_lines<C * step>(pf);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          __m256i w0, w1;
+          block_i16<bits>(qb + c * q_row, w0, w1);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r)
+            grp[c][r] = _mm256_fmadd_ps(block_dot(w0, w1, xb + r * K), _mm256_broadcast_ss(sp + r * B), grp[c][r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256 scale = _mm256_broadcast_ss(sc + c * G);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[c][r] = _mm256_fmadd_ps(grp[c][r], scale, acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float sum = V::hsum(acc[c][r]);
+      if constexpr (bits == 4) sum -= 8.0f * dot_f32(sf + c * G, xs + r * G, G);
+      y[r * ldy + c] = sum;
+    }
+  }
+}
+
+// work: i16_work(R, G) floats.
 template <int bits, int R, typename S>
 void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_t* q, int64_t q_row, const S* s,
               int64_t G, int64_t K, int64_t gs, int64_t nch, float* y, int64_t ldy) {
-  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;  // chains of group sums: their FMAs' latency
+  constexpr int C = R == 3 ? 1 : kI16Chains / R;
   const int64_t B = K / 32;
-  float *sf = work, *xs = work + G, *sfx = xs + R * G;
-  if constexpr (bits == 4) {  // each row's sum over each group, its blocks in their own scales
+  float* xs = work;  // int4: each row's sum over each group, its blocks in their own scales
+  if constexpr (bits == 4) {
     for (int r = 0; r < R; ++r) {
       for (int64_t g = 0; g < G; ++g) {
         float t = 0.0f;
@@ -200,69 +327,17 @@ void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_
       }
     }
   }
-  for (int64_t c = 0; c < nch; ++c) {
-    const uint8_t* qc = q + c * q_row;
-    scales_f32(s + c * G, G, sf);
-    if (gs == 32) {  // each block's scale times each row's block scale
-      for (int r = 0; r < R; ++r) {
-        int64_t g = 0;
-        for (; g + 8 <= G; g += 8) {
-          _mm256_storeu_ps(sfx + r * G + g, _mm256_mul_ps(_mm256_loadu_ps(sf + g), _mm256_loadu_ps(xscale + r * B + g)));
-        }
-        for (; g < G; ++g) sfx[r * G + g] = sf[g] * xscale[r * B + g];
-      }
-    }
-    __m256 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-    // Pointers stepped along, not indices: the build's -fwrapv keeps GCC from reducing the
-    // index arithmetic, which cost this loop a third of its speed.
-    const uint8_t* qb = qc;
-    const int16_t* xp[R];
-    const float* sp[R];  // each block's scale (groups of 32: sfx; else the row's block scales)
-    for (int r = 0; r < R; ++r) xp[r] = x16 + r * K, sp[r] = gs == 32 ? sfx + r * G : xscale + r * B;
-    const int64_t blocks = gs / 32;
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 grp[R];  // the group's sum (longer groups)
-      for (int r = 0; r < R; ++r) grp[r] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < blocks; ++k, qb += bits == 8 ? 32 : 16) {
-        __m256i w0, w1;
-        if constexpr (bits == 8) {
-          w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
-          w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)));
-        } else {
-          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
-          w0 = _mm256_and_si256(v, _mm256_set1_epi16(15));
-          w1 = _mm256_srli_epi16(v, 4);
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256i* xr = reinterpret_cast<const __m256i*>(xp[r]);
-          const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
-                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
-          xp[r] += 32;
-          if (gs == 32) {  // one block a group: its scale and the row's block scale, at once
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sp[r]++), acc[r][0]);
-            rotate(acc[r]);
-          } else {
-            grp[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sp[r]++), grp[r]);
-          }
-        }
-      }
-      if (gs != 32) {
-        const __m256 sc = _mm256_set1_ps(sf[g]);
-        for (int r = 0; r < R; ++r) {
-          acc[r][0] = _mm256_fmadd_ps(grp[r], sc, acc[r][0]);
-          rotate(acc[r]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 t = acc[r][0];
-      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-      float sum = V::hsum(t);
-      if constexpr (bits == 4) sum -= 8.0f * dot_f32(sf, xs + r * G, G);
-      y[r * ldy + c] = sum;
-    }
+  float* rest = work + R * G;
+  int64_t c = 0;
+  auto channels = [&](auto fn, int64_t n) {
+    for (; c + n <= nch; c += n) fn(x16, xscale, xs, rest, q + c * q_row, q_row, s + c * G, G, K, gs, y + c, ldy);
+  };
+  if (gs == 32) {
+    channels(qdot_i16_channels<bits, R, C, true, S>, C);
+    channels(qdot_i16_channels<bits, R, 1, true, S>, 1);
+  } else {
+    channels(qdot_i16_channels<bits, R, C, false, S>, C);
+    channels(qdot_i16_channels<bits, R, 1, false, S>, 1);
   }
 }
 }  // namespace
@@ -554,8 +629,9 @@ struct QGemm {
     // int16 rows: nr * K values and a scale a 32-value block
     const int64_t n_half = kHalfScales ? nch * G : 0, n16 = kI16Rows ? nr * KP / 2 + nr * KP / 32 + 1 : 0;
     std::vector<acc_t> own;
-    acc_t* buf = thread_scratch<acc_t>(nr * KP + G + 2 * nr * G + nr * nch + n_half + n16, own);
-    acc_t *xs = buf, *work = xs + nr * KP, *y = work + G + 2 * nr * G, *sbuf = y + nr * nch;
+    const int64_t n_work = std::max(G + 2 * nr * G, i16_work(nr, G));  // the float32 loops' or the int16 loops'
+    acc_t* buf = thread_scratch<acc_t>(nr * KP + n_work + nr * nch + n_half + n16, own);
+    acc_t *xs = buf, *work = xs + nr * KP, *y = work + n_work, *sbuf = y + nr * nch;
     acc_t *xscale = sbuf + n_half, *b16 = xscale + nr * KP / 32;
     const acc_t* x = reinterpret_cast<const acc_t*>(a + p.r0 * K);
     if (kConvert || KP != K) {  // the rows as acc_t, each padded with zeros to the stored inputs

@@ -831,14 +831,18 @@ def test_debug_checks_range_check_indices_on_the_host_first():
 
 @pytest.mark.slow
 @requires_ext
-def test_portable_cpu_loops_where_avx512_is_switched_off():
-    # A CPU without AVX-512 takes the portable loops and ATen where this one runs hand-written
-    # kernels (GEMMs, few-row products, SwiGLU rows); MINAGI_CPU_BASELINE=1 makes this machine
-    # take them too, and the kernels' shape tests run again that way.
+@pytest.mark.parametrize("level", ["portable", "avx2"])
+def test_cpu_loops_where_avx512_is_switched_off(level):
+    # A CPU without AVX-512 takes the AVX2 few-row kernels, half-precision products widened to
+    # float32, and (without AVX2) the portable loops and ATen, where this one may run AVX-512
+    # kernels (GEMMs, few-row products, SwiGLU rows); MINAGI_CPU_ISA makes this machine take them
+    # too, and the kernels' shape tests run again that way.
     import os
     import subprocess
     import sys
 
+    if level == "avx2" and torch.ops.minagi.cpu_isa() != "avx512":
+        pytest.skip(f"this CPU runs at {torch.ops.minagi.cpu_isa()}: the default run took these paths")
     here = Path(__file__).parent
     tests = [f"{here / 'test_ops.py'}::{name}" for name in
              ("test_grouped_mm_slot_shapes", "test_few_rows_kernels", "test_weight_gradients_slot_shapes",
@@ -847,7 +851,7 @@ def test_portable_cpu_loops_where_avx512_is_switched_off():
               ("test_swiglu_kernels_across_the_float_range_and_at_the_clamps",
                "test_swiglu_kernels_at_infinities_as_the_twin")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], capture_output=True,
-                       text=True, env={**os.environ, "MINAGI_CPU_BASELINE": "1", "MINAGI_REQUIRE_EXT": "1"})
+                       text=True, env={**os.environ, "MINAGI_CPU_ISA": level, "MINAGI_REQUIRE_EXT": "1"})
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-1500:]
 
 

@@ -6,7 +6,8 @@
 //   MINAGI_CPU_BASELINE=1    the same as portable (the older switch; MINAGI_CPU_ISA wins if both are set)
 // It is how the tests reach every path on one machine. The AVX-512 kernels (f32_gemm.h,
 // bf16_gemm.h, small_rows.h, swiglu_avx512.h) run only at avx512; the quantized kernels
-// (quant.cpp) at avx2 and avx512. GCC's target_clones loops (rows.h MINAGI_SIMD_CLONES) are picked
+// (quant.cpp) and small_rows.h's AVX2 column kernels at avx2 and avx512; below avx512, slot_gemm.h
+// multiplies bfloat16 and float16 in float32 (widened_mm). GCC's target_clones loops (rows.h MINAGI_SIMD_CLONES) are picked
 // by the loader and not capped; ATen's own kernels pick their ISA themselves.
 #pragma once
 

@@ -55,9 +55,9 @@ std::vector<Part> plan_parts(const at::Tensor& slot_ids, const std::vector<int64
 // (hundreds of KiB) would be mapped and faulted in page by page for every slot. Past kMaxKept
 // bytes the caller's own (freed) buffer is used instead, so a thread holds at most that much.
 // Each use has its own buffer: a GEMM kernel packs its weights (kPack) while the caller's gathered
-// rows (kTile) are its input.
+// rows (kTile) are its input, and slot_mm's widened product its float32 copies (kWiden).
 constexpr size_t kMaxKept = size_t{4} << 20;
-enum class Scratch { kTile, kPack };
+enum class Scratch { kTile, kPack, kWiden };
 
 template <typename T, Scratch use = Scratch::kTile>
 T* thread_scratch(int64_t n, std::vector<T>& own) {

@@ -1,6 +1,7 @@
 // One slot's GEMM on the CPU, and grouped_mm_into, which runs a plan's row ranges through it:
 // the few-row kernels (decode: a handful of rows per slot, the weights streamed once), the own
-// AVX-512 kernels (f32_gemm.h, bf16_gemm.h) and ATen's mm. Templates, in this header so that the
+// AVX-512 kernels (f32_gemm.h, bf16_gemm.h), half-precision products widened to float32 and
+// ATen's mm. Templates, in this header so that the
 // kernel files (grouped_gemm.cpp, grouped_gemm_act.cpp, grouped_gemm_backward.cpp, decode.cpp)
 // each inline them into their loops, as the one file did before the split. Below them, the
 // family's few functions that more than one of those files calls.
@@ -138,10 +139,71 @@ void own_slot_mm(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, 
   TORCH_INTERNAL_ASSERT(false, "own_slot_mm without its AVX-512 kernel");
 }
 
+// bfloat16 and float16 products of more than a few rows on CPUs without AVX-512, where ATen's mm
+// has no fast kernel for them: slot_mm widens them instead (widened_mm).
+template <typename scalar_t>
+constexpr bool kHalfPrecision = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
+
+template <typename scalar_t>
+bool widens(const at::Tensor& b) {
+  if constexpr (kHalfPrecision<scalar_t>) {
+    static const bool slow_half_mm = cpu_isa() < CpuIsa::kAvx512;
+    return slow_half_mm && b.size(1) > 0;
+  }
+  return false;
+}
+
+inline void to_float(const at::BFloat16* x, float* y, int64_t n) {
+  bf16_to_float(reinterpret_cast<const uint16_t*>(x), y, n);
+}
+inline void to_float(const at::Half* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
+}
+inline void from_float(const float* y, at::BFloat16* x, int64_t n) {
+  float_to_bf16(y, reinterpret_cast<uint16_t*>(x), n);
+}
+inline void from_float(const float* y, at::Half* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<at::Half>(y[i]);
+}
+
+// out[nr, M] (rows M apart) = a[nr, K] x b[k, m] (at b + k * sk + m * sn) in float32: the rows
+// widened once, the weights a block of columns at a time into a float32 tile that stays in the
+// cache, each block multiplied by ATen's float32 mm (the BLAS) and rounded once, as a bfloat16 or
+// float16 GEMM rounds its float32 sums.
+template <typename scalar_t>
+void widened_mm(const scalar_t* a, int64_t nr, int64_t K, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
+                int64_t M) {
+  const int64_t cols = (int64_t{256} << 10) / (K * static_cast<int64_t>(sizeof(float)));
+  const int64_t nc = std::min(M, std::max<int64_t>(16, cols / 16 * 16));
+  std::vector<float> own;
+  float* buf = thread_scratch<float, Scratch::kWiden>(nr * K + K * nc + nr * nc, own);
+  float *a32 = buf, *tile = a32 + nr * K, *y = tile + K * nc;
+  to_float(a, a32, nr * K);
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor x = at::from_blob(a32, {nr, K}, opts);
+  for (int64_t c0 = 0; c0 < M; c0 += nc) {
+    const int64_t n = std::min(nc, M - c0);
+    at::Tensor w = at::from_blob(tile, {K, n}, opts);
+    if (sk == 1) {  // column-major: each column's K values contiguous
+      for (int64_t c = 0; c < n; ++c) to_float(b + (c0 + c) * sn, tile + c * K, K);
+      w = at::from_blob(tile, {n, K}, opts).t();
+    } else if (sn == 1) {
+      for (int64_t k = 0; k < K; ++k) to_float(b + k * sk + c0, tile + k * n, n);
+    } else {
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t c = 0; c < n; ++c) tile[k * n + c] = static_cast<float>(b[k * sk + (c0 + c) * sn]);
+    }
+    at::Tensor yt = at::from_blob(y, {nr, n}, opts);
+    at::cpu::mm_out(yt, x, w);
+    for (int64_t r = 0; r < nr; ++r) from_float(y + r * n, out + r * M + c0, n);
+  }
+}
+
 // out[nr, M] (rows M apart) = a[nr, K] (rows K apart) times slot `slot` of b ([S, K, M], any
 // strides), plus bias (M values) where given: a few rows through the streaming kernels above, more
 // through the own AVX-512 kernels (float32, bfloat16; the bias starts their sums) where the CPU
-// has them, else ATen's mm (the BLAS).
+// has them, bfloat16 and float16 widened to float32 on CPUs without AVX-512, else ATen's mm (the
+// BLAS).
 template <typename scalar_t>
 void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out, int64_t nr,
              const scalar_t* bias = nullptr) {
@@ -151,6 +213,8 @@ void slot_mm(const scalar_t* a, const at::Tensor& b, int64_t slot, scalar_t* out
     few_rows_mm<scalar_t>(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M);
   } else if (own_kernel_takes<scalar_t>(b)) {
     return own_slot_mm(a, K, bp, b.stride(1), b.stride(2), out, M, nr, K, M, bias);  // the bias starts its sums
+  } else if (widens<scalar_t>(b)) {
+    if constexpr (kHalfPrecision<scalar_t>) widened_mm<scalar_t>(a, nr, K, bp, b.stride(1), b.stride(2), out, M);
   } else {
     at::Tensor o = at::from_blob(out, {nr, M}, b.options());
     at::cpu::mm_out(o, at::from_blob(const_cast<scalar_t*>(a), {nr, K}, b.options()), b.select(0, slot));

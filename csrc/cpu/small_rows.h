@@ -1,13 +1,14 @@
-// A few rows (1-4) times one slot's weights on AVX-512: the products of writing a handful of
-// characters, where reading the weights once is the whole cost. The portable loops in
-// slot_gemm.h (small_rows_mm, small_rows_mm_cols) leave this to GCC's vectoriser, which widens
-// each bfloat16 weight once per row, and in the column-major layout sums one row's dot at a time,
-// well under float32's streaming speed. Here each weight vector is loaded once and used for every
-// row, and bfloat16 goes through vdpbf16ps (pairs of values, no widening)
-// (figures: docs/log/2026-12-05-decode-few-row-kernels.md).
+// A few rows (1-4) times one slot's weights on AVX-512 (and, column-major, on AVX2: avx2_cols):
+// the products of writing a handful of characters, where reading the weights once is the whole
+// cost. The portable loops in slot_gemm.h (small_rows_mm, small_rows_mm_cols) leave this to GCC's
+// vectoriser, which widens each bfloat16 weight once per row, and in the column-major layout sums
+// one row's dot at a time, well under float32's streaming speed. Here each weight vector is loaded
+// once and used for every row, and on AVX-512 bfloat16 goes through vdpbf16ps (pairs of values,
+// no widening) (figures: docs/log/2026-12-05-decode-few-row-kernels.md).
 //
 // Built for the baseline ISA like the rest (no -march=native): the functions carry a target
-// attribute, and callers ask avx512_available() or bf16_dot_available() (CPUID, once) first.
+// attribute, and callers ask avx512_available(), bf16_dot_available() or avx2_available() (CPUID,
+// once) first.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -211,6 +212,105 @@ MINAGI_BF16_TARGET inline void bf16(const uint16_t* a, int64_t lda, const uint16
 
 #endif  // MINAGI_BF16_DOT
 
+#ifdef MINAGI_AVX512  // any x86-64 compiler that has the AVX-512 intrinsics has AVX2's
+
+#define MINAGI_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+inline bool avx2_available() {
+  static const bool ok = cpu_isa() >= CpuIsa::kAvx2;
+  return ok;
+}
+
+// 8 values as float32: bfloat16 widened (its bits the float's upper half), float32 as they are.
+MINAGI_AVX2_TARGET inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+MINAGI_AVX2_TARGET inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline float value(uint16_t v) { return static_cast<float>(c10::BFloat16(v, c10::BFloat16::from_bits())); }
+inline float value(float v) { return v; }
+inline void store(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }  // nearest even, as the portable loops round
+inline void store(float* p, float v) { *p = v; }
+
+MINAGI_AVX2_TARGET inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+
+// R rows times C columns of a column-major b (column c's K values at b + c * sn): out[r * ldo +
+// c]. Each step of 8 inputs loads the rows' values once for all C columns, and the C x R sums are
+// the chains that hide the FMA's latency. C columns read at once are C streams, which the CPU's
+// own prefetchers follow poorly: every 32 inputs ask for the next C columns' matching bytes.
+template <int R, int C, typename T>
+MINAGI_AVX2_TARGET inline void avx2_cols(const T* a, int64_t lda, const T* b, int64_t sn, T* out, int64_t ldo,
+                                         int64_t K) {
+  __m256 acc[C][R];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const char* next = reinterpret_cast<const char*>(b + (C + c) * sn + k);
+      for (size_t o = 0; o < 32 * sizeof(T); o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 32; u += 8) {
+      __m256 x[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) x[r] = load8(a + r * lda + k + u);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256 w = load8(b + c * sn + k + u);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[c][r] = _mm256_fmadd_ps(x[r], w, acc[c][r]);
+      }
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    for (int c = 0; c < C; ++c) {
+      const __m256 w = load8(b + c * sn + k);
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm256_fmadd_ps(load8(a + r * lda + k), w, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float sum = hsum8(acc[c][r]);
+      for (int64_t i = k; i < K; ++i) sum += value(a[r * lda + i]) * value(b[c * sn + i]);
+      store(out + r * ldo + c, sum);
+    }
+  }
+}
+
+// out[R, M] = a[R, K] x b for a column-major b: 4 / R columns at a time (R = 3: one).
+template <int R, typename T>
+MINAGI_AVX2_TARGET inline void avx2_col_major(const T* a, int64_t lda, const T* b, int64_t sn, T* out, int64_t ldo,
+                                              int64_t K, int64_t M) {
+  constexpr int C = R == 3 ? 1 : 4 / R;
+  int64_t m = 0;
+  for (; m + C <= M; m += C) avx2_cols<R, C>(a, lda, b + m * sn, sn, out + m, ldo, K);
+  for (; m < M; ++m) avx2_cols<R, 1>(a, lda, b + m * sn, sn, out + m, ldo, K);
+}
+
+template <typename T>
+bool avx2_run(const T* a, int64_t lda, const T* b, int64_t sn, T* out, int64_t ldo, int64_t nr, int64_t K,
+              int64_t M) {
+  switch (nr) {
+    case 1: avx2_col_major<1>(a, lda, b, sn, out, ldo, K, M); return true;
+    case 2: avx2_col_major<2>(a, lda, b, sn, out, ldo, K, M); return true;
+    case 3: avx2_col_major<3>(a, lda, b, sn, out, ldo, K, M); return true;
+    case 4: avx2_col_major<4>(a, lda, b, sn, out, ldo, K, M); return true;
+    default: return false;
+  }
+}
+
+#endif  // MINAGI_AVX512
+
 // out[nr, M] (rows ldo apart) = a[nr, K] (rows lda apart) x b, b[k, m] at b + k * sk + m * sn with
 // sk == 1 or sn == 1, where these kernels take it (nr in [1, kMaxRows]): bfloat16 in both layouts
 // and float32 column-major, on CPUs with the instructions (CPUID, checked once). A row-major
@@ -247,6 +347,15 @@ bool run(const scalar_t* a, int64_t lda, const scalar_t* b, int64_t sk, int64_t 
       default: return false;
     }
     return true;
+  }
+#endif
+#ifdef MINAGI_AVX512
+  if (sk == 1 && avx2_available()) {  // column-major on an AVX2 CPU (AVX-512's own kernels above came first)
+    if constexpr (std::is_same_v<scalar_t, float>) return avx2_run(a, lda, b, sn, out, ldo, nr, K, M);
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      return avx2_run(reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), sn,
+                      reinterpret_cast<uint16_t*>(out), ldo, nr, K, M);
+    }
   }
 #endif
   (void)a, (void)lda, (void)b, (void)sk, (void)sn, (void)out, (void)ldo, (void)nr, (void)K, (void)M;

@@ -11,7 +11,6 @@ from minagi.bench.quality import (DEFAULT_MODELS, MODELS, DenseGPT, dense_macs, 
                                   n_params, tables_twin, wide_twin)
 from minagi.lm.config import load
 from minagi.lm.model import ByteModel
-from minagi.moe.reference import GATED
 
 # The whole file is in the slow tier: the fast one (pytest -m "not slow") is the core's (README).
 pytestmark = pytest.mark.slow
@@ -41,10 +40,12 @@ def test_wide_twin_holds_the_whole_pool_in_one_mlp():
     pool, one = ByteModel(m, 16).pool, ByteModel(wide, 16).pool
     # The same expert parameters, all in one MLP that every character uses.
     assert one.w_in.numel() + one.w_out.numel() == pool.w_in.numel() + pool.w_out.numel()
-    # A gated form's w_in is 2 d_hidden wide: 3 d_model x d_hidden multiply-adds per row and expert.
-    mlp = lambda c: c.max_rows * (3 if c.expert_activation in GATED else 2) * c.d_model * c.d_hidden * c.top_k  # noqa: E731
+    # Counted from the two models' own weights: each row's experts and router differ, and the
+    # router once more (the pool affinity); attention, the halting unit and the head do not.
+    experts = lambda c, p: c.top_k * (p.w_in[0].numel() + p.w_out[0].numel())  # noqa: E731
+    per_row = experts(wide, one) - experts(m, pool) + one.router.numel() - pool.router.numel()
     extra = minagi_macs(wide, 128) - minagi_macs(m, 128)
-    assert extra == mlp(wide) - mlp(m) - (m.max_rows + 1) * (m.n_slots - 1) * m.d_model  # the routers drop out
+    assert extra == m.max_rows * per_row + one.router.numel() - pool.router.numel()
     assert "minagi-wide" in MODELS and "minagi-wide" not in DEFAULT_MODELS
 
 

@@ -283,6 +283,21 @@ def test_grouped_mm_slot_shapes(compiled, K, N, transposed, dtype):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_slots_of_many_rows(compiled, transposed, dtype):
+    # On CPUs without AVX-512 a bfloat16 or float16 slot of more than a few rows is multiplied in
+    # float32 (csrc/cpu/slot_gemm.h widened_mm): at K = 4,096 its rows go in 64-row chunks (100
+    # rows: two) and its columns in 16-column tiles (40: a short last one). Elsewhere ATen's mm.
+    K, M = 4096, 40
+    rows = torch.tensor([5, 100, 0, 70])
+    ids = torch.tensor([2, 0, 3, 1])
+    a = torch.randn(int(rows.sum()), K).to(dtype)
+    b = ((torch.randn(4, M, K).mT if transposed else torch.randn(4, K, M)) / K ** 0.5).to(dtype)
+    got = compiled.grouped_mm(a, b, ids, rows)
+    assert_close(got, REF.grouped_mm(a.double(), b.double(), ids, rows), dtype)
+
+
 @pytest.mark.parametrize("K,M", [(1, 1), (3, 17), (33, 40), (130, 95), (64, 1026), (257, 1027), (40, 2085)])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", OWN_KERNEL_DTYPES)
@@ -845,7 +860,8 @@ def test_cpu_loops_where_avx512_is_switched_off(level):
         pytest.skip(f"this CPU runs at {torch.ops.minagi.cpu_isa()}: the default run took these paths")
     here = Path(__file__).parent
     tests = [f"{here / 'test_ops.py'}::{name}" for name in
-             ("test_grouped_mm_slot_shapes", "test_few_rows_kernels", "test_weight_gradients_slot_shapes",
+             ("test_grouped_mm_slot_shapes", "test_few_rows_kernels", "test_half_precision_slots_of_many_rows",
+              "test_weight_gradients_slot_shapes",
               "test_scatter_mm_backward_matches_twin_and_the_unfused_ops", "test_decode_experts_matches_twin")]
     tests += [f"{here / 'test_forms.py'}::{name}" for name in
               ("test_swiglu_kernels_across_the_float_range_and_at_the_clamps",

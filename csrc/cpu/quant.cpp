@@ -180,18 +180,6 @@ struct V {
 };
 #include "quant_kernels.h"
 
-// The rows as int16 (bfloat16 and float16 activations; qdot_i16): y[r * ldy + c] = sum_b xscale[r *
-// K / 32 + b] * sum_{i in block b} x16[r * K + i] * value(c, i) * s[c * G + i / gs], each 32-input
-// block's products summed in int32 by vpmaddwd (two weights an instruction a lane, exact), then
-// converted and scaled once. Groups of 32: each block's scale times the row's block scale,
-// multiplied out before the loop; longer groups: the blocks' sums scaled by the row's block
-// scales into the group's sum, which is scaled once. int4 multiplies the stored nibbles (value +
-// 8) and takes 8 x sum_g scale_g x (the row's sum over g) off once a channel. Needs K a multiple
-// of 32.
-//
-// C channels go through the loop together (qdot_i16_channels), C = 4 / R: each row block's int16
-// values are loaded once for all C, and the C x R sums are the independent chains that hide the
-// FMA's latency, so the loop carries nothing else.
 // One block's 32 weights of a channel as int16: int8 sign-extended; int4 the stored nibbles
 // (value + 8), low nibbles the block's first 16 inputs.
 template <int bits>
@@ -234,8 +222,7 @@ inline void mul_f32(const float* a, const float* b, int64_t n, float* out) {
 
 // C channels (q: the first; q_row bytes apart) against R rows. The loops over c and r are
 // unrolled, so the C x R sums stay in registers. Pointers are stepped along, not indices: the
-// build's -fwrapv keeps GCC from reducing index arithmetic, which cost such a loop a third of
-// its speed.
+// build's -fwrapv keeps GCC from reducing index arithmetic, which slowed such loops.
 template <int bits, int R, int C, bool kG32, typename S>
 inline void qdot_i16_channels(const int16_t* x16, const float* xscale, const float* xs, float* work, const uint8_t* q,
                               int64_t q_row, const S* s, int64_t G, int64_t K, int64_t gs, float* y, int64_t ldy) {
@@ -307,7 +294,19 @@ inline void qdot_i16_channels(const int16_t* x16, const float* xscale, const flo
   }
 }
 
-// work: i16_work(R, G) floats.
+// The rows as int16 (bfloat16 and float16 activations; qdot_i16): y[r * ldy + c] = sum_b xscale[r *
+// K / 32 + b] * sum_{i in block b} x16[r * K + i] * value(c, i) * s[c * G + i / gs], each 32-input
+// block's products summed in int32 by vpmaddwd (two weights an instruction a lane, exact), then
+// converted and scaled once. Groups of 32: each block's scale times the row's block scale,
+// multiplied out before the loop; longer groups: the blocks' sums scaled by the row's block
+// scales into the group's sum, which is scaled once. int4 multiplies the stored nibbles (value +
+// 8) and takes 8 x sum_g scale_g x (the row's sum over g) off once a channel. Needs K a multiple
+// of 32.
+//
+// C channels go through the loop together (qdot_i16_channels), C = 4 / R (1 for 3 rows): each
+// row block's int16 values are loaded once for all C, and the C x R sums are the independent
+// chains that hide the FMA's latency, so the loop carries nothing else. work: i16_work(R, G)
+// floats.
 template <int bits, int R, typename S>
 void qdot_i16(const int16_t* x16, const float* xscale, float* work, const uint8_t* q, int64_t q_row, const S* s,
               int64_t G, int64_t K, int64_t gs, int64_t nch, float* y, int64_t ldy) {

@@ -166,21 +166,21 @@ inline void from_float(const float* y, at::Half* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<at::Half>(y[i]);
 }
 
-// out[nr, M] (rows M apart) = a[nr, K] x b[k, m] (at b + k * sk + m * sn) in float32: the rows
-// widened once, the weights a block of columns at a time into a float32 tile that stays in the
-// cache, each block multiplied by ATen's float32 mm (the BLAS) and rounded once, as a bfloat16 or
-// float16 GEMM rounds its float32 sums.
+// out[nr, M] (rows M apart) = a[nr, K] x b[k, m] (at b + k * sk + m * sn) in float32: the weights
+// a block of columns at a time into a float32 tile that stays in the cache, the rows widened a
+// chunk at a time (so the scratch stays a few MiB whatever the rows), each chunk multiplied by
+// the tile with ATen's float32 mm (the BLAS) and rounded once, as a bfloat16 or float16 GEMM
+// rounds its float32 sums.
 template <typename scalar_t>
 void widened_mm(const scalar_t* a, int64_t nr, int64_t K, const scalar_t* b, int64_t sk, int64_t sn, scalar_t* out,
                 int64_t M) {
   const int64_t cols = (int64_t{256} << 10) / (K * static_cast<int64_t>(sizeof(float)));
   const int64_t nc = std::min(M, std::max<int64_t>(16, cols / 16 * 16));
+  const int64_t chunk = std::min(nr, std::max<int64_t>(16, (int64_t{1} << 18) / K));  // 1 MiB of float32 rows
   std::vector<float> own;
-  float* buf = thread_scratch<float, Scratch::kWiden>(nr * K + K * nc + nr * nc, own);
-  float *a32 = buf, *tile = a32 + nr * K, *y = tile + K * nc;
-  to_float(a, a32, nr * K);
+  float* buf = thread_scratch<float, Scratch::kWiden>(K * nc + chunk * K + chunk * nc, own);
+  float *tile = buf, *a32 = tile + K * nc, *y = a32 + chunk * K;
   const auto opts = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor x = at::from_blob(a32, {nr, K}, opts);
   for (int64_t c0 = 0; c0 < M; c0 += nc) {
     const int64_t n = std::min(nc, M - c0);
     at::Tensor w = at::from_blob(tile, {K, n}, opts);
@@ -193,9 +193,13 @@ void widened_mm(const scalar_t* a, int64_t nr, int64_t K, const scalar_t* b, int
       for (int64_t k = 0; k < K; ++k)
         for (int64_t c = 0; c < n; ++c) tile[k * n + c] = static_cast<float>(b[k * sk + (c0 + c) * sn]);
     }
-    at::Tensor yt = at::from_blob(y, {nr, n}, opts);
-    at::cpu::mm_out(yt, x, w);
-    for (int64_t r = 0; r < nr; ++r) from_float(y + r * n, out + r * M + c0, n);
+    for (int64_t r0 = 0; r0 < nr; r0 += chunk) {
+      const int64_t m = std::min(chunk, nr - r0);
+      to_float(a + r0 * K, a32, m * K);
+      at::Tensor yt = at::from_blob(y, {m, n}, opts);
+      at::cpu::mm_out(yt, at::from_blob(a32, {m, K}, opts), w);
+      for (int64_t r = 0; r < m; ++r) from_float(y + r * n, out + (r0 + r) * M + c0, n);
+    }
   }
 }
 

@@ -146,12 +146,6 @@ TORCH_LIBRARY(minagi, m) {
   m.def(
       "gather_mm_act(Tensor x, Tensor b, Tensor? bias, Tensor slot_ids, Tensor slot_rows, Tensor row_pair, "
       "Tensor dest, str activation, float alpha, float limit) -> Tensor");
-  // Writing's experts in one call: y[n] = sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @
-  // w_out[s] + b_out[s]), s = slot_idx[n, j], for a handful of characters (x [N, D]; slot_idx and
-  // gates [N, k]; w_in [S, D, M], w_out [S, H, D], H = M / 2 for the gated forms; b_in [S, M] and
-  // b_out [S, D] optional). The pairs are sorted by slot on the host, so each routed slot's weights
-  // are read once. One call instead of the unfused decode's plan, gather, two GEMMs, scatter and
-  // bias. A CPU kernel only (_backend.FUSED_OP_NAMES).
   // grouped_mm with quantized weights (minagi/moe/quant.py's storage): range i of a [E, in] times the
   // weights of slot slot_ids[i] that q and scale stand for, [E, out]. bits 8: q [S, out, in] int8;
   // bits 4: q [S, out, in / 2] uint8 (32 inputs a 16-byte block: input j in byte j's low nibble,
@@ -162,7 +156,21 @@ TORCH_LIBRARY(minagi, m) {
   m.def(
       "qgrouped_mm(Tensor a, Tensor q, Tensor scale, Tensor slot_ids, Tensor slot_rows, int bits, int group_size) "
       "-> Tensor");
+  // Writing's experts in one call: y[n] = sum_j gates[n, j] * (act(x[n] @ w_in[s] + b_in[s]) @
+  // w_out[s] + b_out[s]), s = slot_idx[n, j], for a handful of characters (x [N, D]; slot_idx and
+  // gates [N, k]; w_in [S, D, M], w_out [S, H, D], H = M / 2 for the gated forms; b_in [S, M] and
+  // b_out [S, D] optional). The pairs are sorted by slot on the host, so each routed slot's weights
+  // are read once. One call instead of the unfused decode's plan, gather, two GEMMs, scatter and
+  // bias. A CPU kernel only (_backend.FUSED_OP_NAMES).
   m.def(
       "decode_experts(Tensor x, Tensor slot_idx, Tensor gates, Tensor w_in, Tensor w_out, Tensor? b_in, "
       "Tensor? b_out, str activation, float alpha, float limit) -> Tensor");
+  // decode_experts with quantized weights (qgrouped_mm's storage): w_in stands for q_in and
+  // scale_in ([S, M, D] or [S, M, D / 2] bytes, bits_in, group_in), w_out for q_out and scale_out
+  // ([S, D, H] or [S, D, H / 2]). Inference: its gradient goes to x, the gates and the biases only
+  // (minagi/ops.py). A CPU kernel only (_backend.FUSED_OP_NAMES).
+  m.def(
+      "qdecode_experts(Tensor x, Tensor slot_idx, Tensor gates, Tensor q_in, Tensor scale_in, int bits_in, "
+      "int group_in, Tensor q_out, Tensor scale_out, int bits_out, int group_out, Tensor? b_in, Tensor? b_out, "
+      "str activation, float alpha, float limit) -> Tensor");
 }

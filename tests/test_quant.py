@@ -290,6 +290,105 @@ def test_qgrouped_mm_names_bad_arguments(compiled):
             compiled.qgrouped_mm(*args)
 
 
+QDECODE_FORMS = [f for f in FORMS if f != "callable"]
+
+
+def _qdecode_args(form, fmt, N, K, bias, dtype, seed=0, S=6, D=64, H=40):
+    """qdecode_experts' arguments: quantized weights of S experts (D -> H), N characters."""
+    bits, group = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    M = 2 * H if form in GATED else H
+    qi = quantize((torch.randn(S, D, M, generator=g) / D ** 0.5).to(dtype), bits, group)
+    qo = quantize((torch.randn(S, H, D, generator=g) / H ** 0.5).to(dtype), bits, group)
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(N)])
+    idx[N // 2:, 0] = idx[0, 0]  # characters that share a slot: one range, read once
+    x, gates = torch.randn(N, D, generator=g).to(dtype), torch.rand(N, K, generator=g).to(dtype)
+    b_in, b_out = ((torch.randn(S, n, generator=g) / 4).to(dtype) if bias else None for n in (M, D))
+    return [x, idx, gates, qi.q, qi.scale, bits, qi.group, qo.q, qo.scale, bits, qo.group, b_in, b_out, form,
+            1.702, 7.0]
+
+
+@requires_ext
+@pytest.mark.parametrize("form", QDECODE_FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qdecode_experts_matches_twin(compiled, form, dtype):
+    # Writing's one op with quantized weights (CPU only): 1 to 4 characters, every format, with and
+    # without both biases, against its twin (the exact plan's pipeline with qgrouped_mm's twin).
+    if not ops.has_fused("qdecode_experts", torch.device("cpu")):
+        pytest.skip("this build has no qdecode_experts kernel")
+    for i, (N, K) in enumerate(((1, 3), (2, 1), (4, 3), (4, 6))):
+        for fmt in FORMATS:
+            bias = (i + len(fmt)) % 2 == 0
+            args = _qdecode_args(form, fmt, N, K, bias, dtype, seed=i)
+            got = compiled.qdecode_experts(*args)
+            want = reference.qdecode_experts(*args)
+            assert got.dtype == dtype and got.shape == args[0].shape
+            assert_close(got.double(), want.double(), dtype, scale=4, msg=f"{fmt} N={N} K={K} bias={bias}")
+
+
+@requires_ext
+def test_qdecode_experts_with_short_groups(compiled):
+    # The byte model's widths (no multiple of 32): padded blocks and a short last group.
+    for fmt in ("int4_g32", "int8_g32", "int4_g128"):
+        args = _qdecode_args("swiglu", fmt, 3, 2, True, torch.bfloat16, D=72, H=171)
+        assert_close(compiled.qdecode_experts(*args), reference.qdecode_experts(*args), torch.bfloat16, scale=4,
+                     msg=fmt)
+
+
+@requires_ext
+def test_qdecode_experts_gradients_through_the_twin(compiled):
+    # Dispatch never asks qdecode_experts for a gradient; whoever does gets the twin's, for x, the
+    # gates and the biases; the scales take none.
+    args = _qdecode_args("swiglu", "int4_g32", 2, 2, True, torch.float64, S=3, D=32, H=8)
+    leaves = {i: args[i].requires_grad_() for i in (0, 2, 11, 12)}
+
+    def fn(*ts):
+        call = list(args)
+        for i, t in zip(leaves, ts):
+            call[i] = t
+        return compiled.qdecode_experts(*call)
+
+    assert torch.autograd.gradcheck(fn, tuple(leaves.values()))
+    args[4] = args[4].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="quantized weights take no gradient"):
+        compiled.qdecode_experts(*args).sum().backward()
+
+
+@requires_ext
+def test_qdecode_experts_opcheck(compiled):
+    args = _qdecode_args("gelu", "int8", 3, 2, True, torch.float64)
+    args[0].requires_grad_()
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.minagi.qdecode_experts, tuple(args), test_utils=utils)
+
+
+@requires_ext
+def test_qdecode_experts_names_bad_arguments(compiled):
+    args = _qdecode_args("swiglu", "int4_g32", 2, 2, False, torch.float32)
+    call = torch.ops.minagi.qdecode_experts
+
+    def bad(**changes):
+        a = list(args)
+        for i, v in changes.items():
+            a[int(i[1:])] = v
+        return a
+
+    for a, match in [
+        (bad(a5=3), "qdecode_experts: bits must be 8 or 4"),
+        (bad(a3=args[3].view(torch.int8)), "int4 weights come as q_in of dtype uint8"),
+        (bad(a0=args[0][:, :32]), r"q_in \[S, out, in / 2\] must hold x's 32 inputs"),
+        (bad(a7=args[7][:, :, :4]), r"q_out \[S, out, in / 2\] must hold the activation's 40 inputs"),
+        (bad(a8=args[8][:, :, :1]), r"scale_out must be \[S, out\]"),
+        (bad(a7=args[7][:, :8], a8=args[8][:, :8]), r"q_out must hold \[S, D\] = \[6, 64\] output channels"),
+        (bad(a2=args[2].double()), "gates .* must have the dtype of x"),
+        (bad(a12=torch.randn(6, 9)), r"b_out must be \[6, 64\]"),
+        (bad(a1=torch.tensor([[0, 6], [1, 2]])), r"slot_idx holds 6, outside \[0, S = 6\)"),
+        (bad(a13="tanh"), "activation"),
+    ]:
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            call(*a)
+
+
 @requires_ext
 def test_cpu_isa_names_a_level():
     assert torch.ops.minagi.cpu_isa() in ("portable", "avx2", "avx512")
@@ -314,7 +413,9 @@ def _run_isa(level: str, tests: list[str]):
 @pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
 def test_every_isa_path_matches_the_twin(level):
     # The level is read once per process: each runs in its own, with MINAGI_CPU_ISA set.
-    _run_isa(level, ["test_qgrouped_mm_matches_twin", "test_expert_mlp_equals_the_dequantized_weights"])
+    _run_isa(level, ["test_qgrouped_mm_matches_twin", "test_qdecode_experts_matches_twin",
+                     "test_qdecode_experts_with_short_groups",
+                     "test_expert_mlp_equals_the_dequantized_weights"])
 
 
 @requires_ext
@@ -413,6 +514,25 @@ def test_expert_mlp_capacity_and_skipped_ids(kw):
     assert_close(y, want, scale=4)
     for a, b in zip(torch.autograd.grad(y.sum(), (x, gates)), torch.autograd.grad(want.sum(), (x, gates))):
         assert_close(a, b, scale=8)
+
+
+@requires_ext
+def test_a_decode_call_with_quantized_weights_is_one_op(monkeypatch):
+    # Writing's calls (a few characters, no gradient, both weights quantized): one qdecode_experts.
+    if not ops.has_fused("qdecode_experts", torch.device("cpu")):
+        pytest.skip("this build has no qdecode_experts kernel")
+    import minagi.moe.dispatch as dispatch
+
+    calls, real = [], dispatch._fused_decode
+    monkeypatch.setattr(dispatch, "_fused_decode", lambda *a: calls.append(a[5]) or real(*a))
+    x, idx, gates, qs, floats, (b_in, b_out) = _problem("swiglu", "mT", "int4_g32", 2, True)
+    kw = dict(activation="swiglu", b_in=b_in, b_out=b_out)
+    with torch.no_grad():
+        y = expert_mlp(x, idx, gates, *qs, **kw)
+        assert len(calls) == 1 and calls.pop() is qs[1]
+        assert_close(y, expert_mlp(x, idx, gates, *floats, path="rectangle", **kw), scale=4)
+        expert_mlp(x, idx, gates, qs[0], floats[1], **kw)  # one weight float: the pipeline
+    assert not calls
 
 
 def test_expert_mlp_mixes_a_quantized_and_a_float_weight():

@@ -39,6 +39,7 @@
 
 #include "../common.h"
 #include "isa.h"
+#include "quant.h"
 #include "rows.h"
 #include "scheduling.h"
 
@@ -498,38 +499,47 @@ int64_t padded_inputs(int64_t K, int64_t group_size) {
   return group_size > 0 ? (K + group_size - 1) / group_size * group_size : K;
 }
 
-void check_qgrouped_mm_args(const at::Tensor& a, const at::Tensor& q, const at::Tensor& scale, int64_t bits,
-                            int64_t group_size) {
-  const char* op = "qgrouped_mm";
-  check_dim(a, 2, op, "a");
-  check_floating(a, op, "a");
-  check_dim(q, 3, op, "q");
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "minagi.qgrouped_mm: bits must be 8 or 4, got ", bits);
+}  // namespace
+
+void check_quantized_weight(const at::Tensor& a, int64_t K, const at::Tensor& q, const at::Tensor& scale, int64_t bits,
+                            int64_t group_size, const char* op, const char* a_name, const char* q_name,
+                            const char* scale_name) {
+  check_dim(q, 3, op, q_name);
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "minagi.", op, ": bits must be 8 or 4, got ", bits);
   const auto want = bits == 8 ? at::kChar : at::kByte;
-  TORCH_CHECK_VALUE(q.scalar_type() == want, "minagi.qgrouped_mm: int", bits, " weights come as q of dtype ",
+  TORCH_CHECK_VALUE(q.scalar_type() == want, "minagi.", op, ": int", bits, " weights come as ", q_name, " of dtype ",
                     bits == 8 ? "int8" : "uint8 (two values a byte)", ", got ", q.scalar_type());
-  const int64_t K = a.size(1), per_byte = bits == 8 ? 1 : 2;
-  TORCH_CHECK_VALUE(group_size >= 0 && group_size % kBlock == 0,
-                    "minagi.qgrouped_mm: group_size must be 0 (one scale per output channel) or a multiple of 32, got ",
-                    group_size);
-  TORCH_CHECK_VALUE(bits == 8 || group_size > 0, "minagi.qgrouped_mm: int4 needs a group_size (a multiple of 32), ",
+  const int64_t per_byte = bits == 8 ? 1 : 2;
+  TORCH_CHECK_VALUE(group_size >= 0 && group_size % kBlock == 0, "minagi.", op,
+                    ": group_size must be 0 (one scale per output channel) or a multiple of 32, got ", group_size);
+  TORCH_CHECK_VALUE(bits == 8 || group_size > 0, "minagi.", op, ": int4 needs a group_size (a multiple of 32), ",
                     "got ", group_size);
   const int64_t stored = padded_inputs(K, group_size);
-  TORCH_CHECK_VALUE(q.size(2) * per_byte == stored, "minagi.qgrouped_mm: q [S, out, ", bits == 8 ? "in" : "in / 2",
-                    "] must hold a's ", K, " inputs", stored == K ? "" : " padded to whole groups (", stored,
-                    stored == K ? "" : ")", ", got q of shape ", q.sizes());
+  TORCH_CHECK_VALUE(q.size(2) * per_byte == stored, "minagi.", op, ": ", q_name, " [S, out, ",
+                    bits == 8 ? "in" : "in / 2", "] must hold ", a_name, "'s ", K, " inputs",
+                    stored == K ? "" : " padded to whole groups (" + std::to_string(stored) + ")", ", got ", q_name,
+                    " of shape ", q.sizes());
   const auto st = scale.scalar_type();
-  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-                    "minagi.qgrouped_mm: scale must be float32, bfloat16 or float16, got ", st);
+  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "minagi.", op, ": ", scale_name,
+                    " must be float32, bfloat16 or float16, got ", st);
   const int64_t groups = group_size > 0 ? (K + group_size - 1) / group_size : 1;
   const bool shape_ok = group_size == 0 ? scale.dim() == 2 && scale.size(0) == q.size(0) && scale.size(1) == q.size(1)
                                         : scale.dim() == 3 && scale.size(0) == q.size(0) &&
                                               scale.size(1) == q.size(1) && scale.size(2) == groups;
-  TORCH_CHECK_VALUE(shape_ok, "minagi.qgrouped_mm: scale must be [S, out] = [", q.size(0), ", ", q.size(1),
+  TORCH_CHECK_VALUE(shape_ok, "minagi.", op, ": ", scale_name, " must be [S, out] = [", q.size(0), ", ", q.size(1),
                     "] for group_size 0, else [S, out, ceil(in / group_size)]; got ", scale.sizes(),
                     " with group_size ", group_size, " and ", K, " inputs");
-  check_same_device(a, q, op, "a", "q");
-  check_same_device(a, scale, op, "a", "scale");
+  check_same_device(a, q, op, a_name, q_name);
+  check_same_device(a, scale, op, a_name, scale_name);
+}
+
+namespace {
+
+void check_qgrouped_mm_args(const at::Tensor& a, const at::Tensor& q, const at::Tensor& scale, int64_t bits,
+                            int64_t group_size) {
+  check_dim(a, 2, "qgrouped_mm", "a");
+  check_floating(a, "qgrouped_mm", "a");
+  check_quantized_weight(a, a.size(1), q, scale, bits, group_size, "qgrouped_mm", "a", "q", "scale");
 }
 
 // A range's rows times a block of its slot's output channels [c0, c1).
@@ -699,9 +709,8 @@ struct QGemm {
 // The parts of a call: a few-row range's channels cut into parts so the threads share them (as
 // slot_gemm.h small_ranges_by_columns does: where the ranges are fewer than 4 a thread, up to one
 // part a thread per range); a larger range's into tiles. Largest first.
-std::vector<QPart> plan_qparts(const at::Tensor& slot_ids, const std::vector<int64_t>& start, int64_t M,
-                               int64_t tile_cols, int64_t threads) {
-  const int64_t* ip = slot_ids.data_ptr<int64_t>();
+std::vector<QPart> plan_qparts(const int64_t* ip, const std::vector<int64_t>& start, int64_t M, int64_t tile_cols,
+                               int64_t threads) {
   int64_t ranges = 0;
   for (size_t i = 0; i + 1 < start.size(); ++i) ranges += start[i + 1] > start[i];
   const int64_t n = std::min<int64_t>(threads, (4 * threads + ranges - 1) / std::max<int64_t>(ranges, 1));
@@ -727,36 +736,40 @@ std::vector<QPart> plan_qparts(const at::Tensor& slot_ids, const std::vector<int
 at::Tensor qgrouped_mm_cpu(const at::Tensor& a_in, const at::Tensor& q_in, const at::Tensor& scale_in,
                            const at::Tensor& slot_ids, const at::Tensor& slot_rows, int64_t bits, int64_t group_size) {
   check_qgrouped_mm_args(a_in, q_in, scale_in, bits, group_size);
-  const at::Tensor a = a_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous();
-  const int64_t S = q.size(0), M = q.size(1), K = a.size(1);
-  const auto start = range_starts(slot_ids, slot_rows, a.size(0), S, "qgrouped_mm", false);
-  at::Tensor out = empty_output({a.size(0), M}, a.options());
-  if (start.back() > 0 && M > 0) {
-    const int64_t gs = group_size > 0 ? group_size : std::max<int64_t>(K, 1), KP = padded_inputs(K, group_size);
-    MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_qgrouped_mm", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const auto parts = plan_qparts(slot_ids.contiguous(), start, M, tile_columns(KP, M, sizeof(acc_t)),
-                                     at::get_num_threads());
-      auto run = [&](const auto* scale_ptr) {
-        using S = std::remove_const_t<std::remove_pointer_t<decltype(scale_ptr)>>;
-        const QGemm<scalar_t, S> g{a.data_ptr<scalar_t>(), static_cast<const uint8_t*>(q.data_ptr()), scale_ptr,
-                                   out.data_ptr<scalar_t>(), K, M, bits, gs,
-                                   group_size > 0 ? (K + group_size - 1) / group_size : 1, q.size(2), KP,
-                                   &f32_kernels()};
-        run_parts(parts, [&](const QPart& p) { p.nr <= kSmallRows ? g.stream(p) : g.tile(p); });
-      };
-      switch (scale.scalar_type()) {
-        case at::kFloat: return run(scale.data_ptr<float>());
-        case at::kBFloat16: return run(static_cast<const uint16_t*>(scale.data_ptr()));
-        default: return run(scale.data_ptr<at::Half>());
-      }
-    });
-  }
+  const at::Tensor a = a_in.contiguous();
+  const auto start = range_starts(slot_ids, slot_rows, a.size(0), q_in.size(0), "qgrouped_mm", false);
+  at::Tensor out = empty_output({a.size(0), q_in.size(1)}, a.options());
+  qgrouped_mm_into(a, q_in, scale_in, bits, group_size, slot_ids.contiguous().data_ptr<int64_t>(), start, out);
   zero_tail(out, start.back());
   return out;
 }
 
 }  // namespace
+
+void qgrouped_mm_into(const at::Tensor& a, const at::Tensor& q_in, const at::Tensor& scale_in, int64_t bits,
+                      int64_t group_size, const int64_t* slot_ids, const std::vector<int64_t>& start, at::Tensor& out) {
+  const at::Tensor q = q_in.contiguous(), scale = scale_in.contiguous();
+  const int64_t M = q.size(1), K = a.size(1);
+  if (start.back() == 0 || M == 0) return;
+  const int64_t gs = group_size > 0 ? group_size : std::max<int64_t>(K, 1), KP = padded_inputs(K, group_size);
+  MINAGI_DISPATCH_FLOATING(a.scalar_type(), "minagi_qgrouped_mm", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto parts = plan_qparts(slot_ids, start, M, tile_columns(KP, M, sizeof(acc_t)), at::get_num_threads());
+    auto run = [&](const auto* scale_ptr) {
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(scale_ptr)>>;
+      const QGemm<scalar_t, S> g{a.data_ptr<scalar_t>(), static_cast<const uint8_t*>(q.data_ptr()), scale_ptr,
+                                 out.data_ptr<scalar_t>(), K, M, bits, gs,
+                                 group_size > 0 ? (K + group_size - 1) / group_size : 1, q.size(2), KP,
+                                 &f32_kernels()};
+      run_parts(parts, [&](const QPart& p) { p.nr <= kSmallRows ? g.stream(p) : g.tile(p); });
+    };
+    switch (scale.scalar_type()) {
+      case at::kFloat: return run(scale.data_ptr<float>());
+      case at::kBFloat16: return run(static_cast<const uint16_t*>(scale.data_ptr()));
+      default: return run(scale.data_ptr<at::Half>());
+    }
+  });
+}
 
 // torch.ops.minagi.cpu_isa (csrc/ops.cpp): the level the quantized kernels run at.
 std::string cpu_isa_level() { return cpu_isa_name(cpu_isa()); }

@@ -29,7 +29,8 @@ OP_NAMES = (
 # Ops with CPU kernels only (the fused ones, and the quantized grouped GEMM): used where they have
 # a kernel for the device, the ops above elsewhere (where they compute the same: qgrouped_mm's twin
 # dequantizes and runs grouped_mm); a build without them loses nothing but speed.
-FUSED_OP_NAMES = ("scatter_mm_backward", "grouped_mm_scatter", "gather_mm_act", "decode_experts", "qgrouped_mm")
+FUSED_OP_NAMES = ("scatter_mm_backward", "grouped_mm_scatter", "gather_mm_act", "decode_experts", "qgrouped_mm",
+                  "qdecode_experts")
 
 
 class ExtensionFallbackWarning(UserWarning):

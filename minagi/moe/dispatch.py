@@ -23,8 +23,8 @@ Paths:
 
 A handful of characters (writing: one per stream) skips the plan: on the CPU's compiled path,
 where no gradient is wanted and there is no callable activation, post or skip, the whole call is
-one op (decode_experts); on a GPU and on the twins each (character, k) pair is a one-row range of
-its slot. Under torch.compile with a symbolic N the general pipeline serves every N.
+one op (decode_experts; qdecode_experts where both weights are quantized); on a GPU and on the
+twins each (character, k) pair is a one-row range of its slot. Under torch.compile with a symbolic N the general pipeline serves every N.
 
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """
@@ -443,13 +443,26 @@ def _use_decode(N, cap, wants_grad: bool, skipping: bool = False) -> bool:
     return not wants_grad or (N == 1 and not skipping)
 
 
-def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool, quantized: bool = False) -> bool:
-    """Whether a handful of characters go through the one compiled op (decode_experts, the CPU's):
-    one call instead of the unfused decode's ten, whose dispatch cost more than the GEMMs at one
-    character. Not with the caller's own activation or post, out_of_range_slots='skip', a
-    gradient, or quantized weights (the pipeline takes them, with qgrouped_mm)."""
+def _fuses_decode(ops, x_ND, form: Form, valid_NK, post, wants_grad: bool, w_in=None, w_out=None) -> bool:
+    """Whether a handful of characters go through the one compiled op (the CPU's decode_experts, or
+    qdecode_experts where both weights are quantized): one call instead of the unfused decode's
+    ten, whose dispatch cost more than the GEMMs at one character. Not with the caller's own
+    activation or post, out_of_range_slots='skip', a gradient, or one weight quantized and the
+    other not (the pipeline takes those, with qgrouped_mm)."""
+    quantized = isinstance(w_in, QuantizedWeight), isinstance(w_out, QuantizedWeight)
+    if quantized[0] != quantized[1]:
+        return False
+    name = "qdecode_experts" if quantized[0] else "decode_experts"
     return (ops is not _ops.REFERENCE and form.fn is None and post is None and valid_NK is None and not wants_grad
-            and not quantized and _ops.has_fused("decode_experts", x_ND.device))
+            and _ops.has_fused(name, x_ND.device))
+
+
+def _fused_decode(ops, x, slot_idx, gates, w_in, w_out, b_in, b_out, form: Form):
+    """The one decode op of _fuses_decode."""
+    if isinstance(w_in, QuantizedWeight):
+        return ops.qdecode_experts(x, slot_idx, gates, w_in.q, w_in.scale, w_in.bits, w_in.group, w_out.q,
+                                   w_out.scale, w_out.bits, w_out.group, b_in, b_out, *_form_args(form))
+    return ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
 
 
 def _decode(ops, x_ND, slot_idx_NK, gates_NK, w_in_SDH, w_out_SHD, form, b_in_SH, valid_NK, post):
@@ -591,7 +604,6 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
     cap = capacity(capacity_factor, n_valid, K, S)
     path = resolve_path(path, x.device)
     rows_A = None  # the plan's rows per listed slot, for the statistics
-    quantized = isinstance(w_in, QuantizedWeight) or isinstance(w_out, QuantizedWeight)
     if path == "rectangle":  # the reference: quantized weights as the float weights they stand for
         w_in, w_out = (w.dequantize() if isinstance(w, QuantizedWeight) else w for w in (w_in, w_out))
         y, kept, executed = _rectangle(x, slot_idx, gates, w_in, w_out, cap, form, b_in, valid, post_pair)
@@ -603,9 +615,9 @@ def expert_mlp(x, slot_idx, gates, w_in, w_out, *, activation: str | Callable = 
         wants_grad = _wants_grad((x, gates, w_in, w_out, b_in, b_out)) or (
             torch.is_grad_enabled() and (form.fn is not None or post is not None))
         decode = _use_decode(N, cap, wants_grad, skip)
-        if decode and _fuses_decode(ops, x, form, valid, post, wants_grad, quantized):
+        if decode and _fuses_decode(ops, x, form, valid, post, wants_grad, w_in, w_out):
             with _below_autograd(False):
-                y = ops.decode_experts(x, slot_idx, gates, w_in, w_out, b_in, b_out, *_form_args(form))
+                y = _fused_decode(ops, x, slot_idx, gates, w_in, w_out, b_in, b_out, form)
             b_out = None  # added inside, per pair
             kept, executed = valid, N * K
         elif decode and (x.device.type != "cpu" or ops is _ops.REFERENCE):

@@ -119,6 +119,12 @@ def _fused_fake_registrations(names: tuple[str, ...], lib: str = "minagi") -> No
         def _(a, q, scale, slot_ids, slot_rows, bits, group_size):
             return a.new_empty(a.shape[0], q.shape[1])
 
+    if "qdecode_experts" in names:
+        @torch.library.register_fake(f"{lib}::qdecode_experts")
+        def _(x, slot_idx, gates, q_in, scale_in, bits_in, group_in, q_out, scale_out, bits_out, group_out, b_in,
+              b_out, activation, alpha, limit):
+            return x.new_empty(x.shape[0], q_out.shape[1])
+
 
 def stored_transposed(b_SIO: torch.Tensor) -> bool:
     """Whether b is the .mT view of a contiguous [S, out, in] weight (nn.Linear's layout)."""
@@ -273,6 +279,8 @@ def _fused_autograd_registrations(names: tuple[str, ...], lib: str = "minagi") -
         _decode_experts_autograd(lib)
     if "qgrouped_mm" in names:
         _qgrouped_mm_autograd(lib)
+    if "qdecode_experts" in names:
+        _qdecode_experts_autograd(lib)
 
 
 def _grouped_mm_scatter_autograd(lib: str) -> None:
@@ -371,6 +379,39 @@ def _qgrouped_mm_autograd(lib: str) -> None:
         return grad_a, None, None, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::qgrouped_mm", bwd, setup_context=setup)
+
+
+def _qdecode_experts_autograd(lib: str) -> None:
+    # Writing's op with quantized weights: dispatch never calls it where a gradient is wanted. x's,
+    # the gates' and the biases' gradients, for whoever asks, come through its twin's ops and their
+    # autograd; the scales take none (NO_WEIGHT_GRAD).
+    ops = getattr(torch.ops, lib)
+    differentiable = (0, 2, 11, 12)  # x, gates, b_in, b_out
+    scales = (4, 8)
+
+    def setup(ctx, inputs, output):
+        ctx.args = [None if isinstance(t, torch.Tensor) else t for t in inputs]  # tensors: saved below
+        ctx.present = [isinstance(t, torch.Tensor) for t in inputs]
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
+
+    def bwd(ctx, g_y):
+        if any(ctx.needs_input_grad[i] for i in scales):
+            raise RuntimeError(f"minagi.qdecode_experts: {NO_WEIGHT_GRAD}")
+        saved = iter(ctx.saved_tensors)
+        args = [next(saved) if p else a for p, a in zip(ctx.present, ctx.args)]
+        create = torch.is_grad_enabled()  # a double backward: the graph goes on through these gradients
+        with torch.enable_grad():
+            wanted = [i for i in differentiable if args[i] is not None]
+            for i in wanted:
+                args[i] = args[i] if args[i].requires_grad else args[i].detach().requires_grad_()
+            y = reference.qdecode_experts(*args, ops=ops)
+            grads = torch.autograd.grad(y, [args[i] for i in wanted], g_y, create_graph=create, allow_unused=True)
+        out = [None] * len(args)
+        for i, g in zip(wanted, grads):
+            out[i] = g
+        return tuple(out)
+
+    torch.library.register_autograd(f"{lib}::qdecode_experts", bwd, setup_context=setup)
 
 
 def _scatter_mm_backward_autograd(lib: str) -> None:

@@ -337,6 +337,24 @@ def decode_experts(x_ND, slot_idx_NK, gates_NK, w_in_SDM, w_out_SHD, b_in_SM, b_
     return ops.weighted_scatter(out_RD, dest_NK, row_pair_R, gates_NK)
 
 
+def qdecode_experts(x_ND, slot_idx_NK, gates_NK, q_in, scale_in, bits_in: int, group_in: int, q_out, scale_out,
+                    bits_out: int, group_out: int, b_in_SM, b_out_SD, activation: str, alpha: float, limit: float, *,
+                    ops=None):
+    """decode_experts with quantized weights (qgrouped_mm's q and scale for each layer), composed
+    from the exact plan's pipeline with qgrouped_mm for both GEMMs. ops: as gather_mm_act's."""
+    ops = ops or _twins()
+    _, order_S, rows_S, row_pair_R, dest_NK = ops.group_plan(slot_idx_NK, q_in.shape[0], 0, False)
+    buf_RD = ops.bucketed_gather(x_ND, row_pair_R, dest_NK, None)
+    h_RM = ops.qgrouped_mm(buf_RD, q_in, scale_in, order_S, rows_S, bits_in, group_in)
+    if b_in_SM is not None:
+        h_RM = h_RM + per_row(b_in_SM, order_S, rows_S, h_RM.shape[0])
+    out_RD = ops.qgrouped_mm(activate(h_RM, activation, alpha, limit), q_out, scale_out, order_S, rows_S, bits_out,
+                             group_out)
+    if b_out_SD is not None:
+        out_RD = out_RD + per_row(b_out_SD, order_S, rows_S, out_RD.shape[0])
+    return ops.weighted_scatter(out_RD, dest_NK, row_pair_R, gates_NK)
+
+
 def expert_act_backward(grad_EW, h_EM, slot_ids_A, slot_rows_A, activation: str, alpha: float, limit: float,
                         n_slots: int, bias_grad: bool):
     """h's gradient through the activation, and per slot the column sums of it (the bias's)."""

@@ -293,6 +293,13 @@ def test_qgrouped_mm_names_bad_arguments(compiled):
 QDECODE_FORMS = [f for f in FORMS if f != "callable"]
 
 
+@pytest.fixture
+def qdecode(compiled):
+    if not ops.has_fused("qdecode_experts", torch.device("cpu")):
+        pytest.skip("this build has no qdecode_experts kernel")
+    return compiled.qdecode_experts
+
+
 def _qdecode_args(form, fmt, N, K, bias, dtype, seed=0, S=6, D=64, H=40):
     """qdecode_experts' arguments: quantized weights of S experts (D -> H), N characters."""
     bits, group = FORMATS[fmt]
@@ -311,32 +318,29 @@ def _qdecode_args(form, fmt, N, K, bias, dtype, seed=0, S=6, D=64, H=40):
 @requires_ext
 @pytest.mark.parametrize("form", QDECODE_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qdecode_experts_matches_twin(compiled, form, dtype):
+def test_qdecode_experts_matches_twin(qdecode, form, dtype):
     # Writing's one op with quantized weights (CPU only): 1 to 4 characters, every format, with and
     # without both biases, against its twin (the exact plan's pipeline with qgrouped_mm's twin).
-    if not ops.has_fused("qdecode_experts", torch.device("cpu")):
-        pytest.skip("this build has no qdecode_experts kernel")
     for i, (N, K) in enumerate(((1, 3), (2, 1), (4, 3), (4, 6))):
         for fmt in FORMATS:
             bias = (i + len(fmt)) % 2 == 0
             args = _qdecode_args(form, fmt, N, K, bias, dtype, seed=i)
-            got = compiled.qdecode_experts(*args)
+            got = qdecode(*args)
             want = reference.qdecode_experts(*args)
             assert got.dtype == dtype and got.shape == args[0].shape
             assert_close(got.double(), want.double(), dtype, scale=4, msg=f"{fmt} N={N} K={K} bias={bias}")
 
 
 @requires_ext
-def test_qdecode_experts_with_short_groups(compiled):
+def test_qdecode_experts_with_short_groups(qdecode):
     # The byte model's widths (no multiple of 32): padded blocks and a short last group.
     for fmt in ("int4_g32", "int8_g32", "int4_g128"):
         args = _qdecode_args("swiglu", fmt, 3, 2, True, torch.bfloat16, D=72, H=171)
-        assert_close(compiled.qdecode_experts(*args), reference.qdecode_experts(*args), torch.bfloat16, scale=4,
-                     msg=fmt)
+        assert_close(qdecode(*args), reference.qdecode_experts(*args), torch.bfloat16, scale=4, msg=fmt)
 
 
 @requires_ext
-def test_qdecode_experts_gradients_through_the_twin(compiled):
+def test_qdecode_experts_gradients_through_the_twin(qdecode):
     # Dispatch never asks qdecode_experts for a gradient; whoever does gets the twin's, for x, the
     # gates and the biases; the scales take none.
     args = _qdecode_args("swiglu", "int4_g32", 2, 2, True, torch.float64, S=3, D=32, H=8)
@@ -346,16 +350,16 @@ def test_qdecode_experts_gradients_through_the_twin(compiled):
         call = list(args)
         for i, t in zip(leaves, ts):
             call[i] = t
-        return compiled.qdecode_experts(*call)
+        return qdecode(*call)
 
     assert torch.autograd.gradcheck(fn, tuple(leaves.values()))
     args[4] = args[4].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="quantized weights take no gradient"):
-        compiled.qdecode_experts(*args).sum().backward()
+        qdecode(*args).sum().backward()
 
 
 @requires_ext
-def test_qdecode_experts_opcheck(compiled):
+def test_qdecode_experts_opcheck(qdecode):
     args = _qdecode_args("gelu", "int8", 3, 2, True, torch.float64)
     args[0].requires_grad_()
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -363,9 +367,8 @@ def test_qdecode_experts_opcheck(compiled):
 
 
 @requires_ext
-def test_qdecode_experts_names_bad_arguments(compiled):
+def test_qdecode_experts_names_bad_arguments(qdecode):
     args = _qdecode_args("swiglu", "int4_g32", 2, 2, False, torch.float32)
-    call = torch.ops.minagi.qdecode_experts
 
     def bad(**changes):
         a = list(args)
@@ -386,7 +389,7 @@ def test_qdecode_experts_names_bad_arguments(compiled):
         (bad(a13="tanh"), "activation"),
     ]:
         with pytest.raises((ValueError, RuntimeError), match=match):
-            call(*a)
+            qdecode(*a)
 
 
 @requires_ext

@@ -24,7 +24,8 @@ Paths:
 A handful of characters (writing: one per stream) skips the plan: on the CPU's compiled path,
 where no gradient is wanted and there is no callable activation, post or skip, the whole call is
 one op (decode_experts; qdecode_experts where both weights are quantized); on a GPU and on the
-twins each (character, k) pair is a one-row range of its slot. Under torch.compile with a symbolic N the general pipeline serves every N.
+twins each (character, k) pair is a one-row range of its slot. Under torch.compile with a symbolic
+N the general pipeline serves every N.
 
 Legend: N characters, K top_k, S card slots, D model width, H expert width, E buffer rows.
 """

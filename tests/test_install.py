@@ -127,6 +127,7 @@ def test_every_subcommand_has_help(cmd, capsys):
         assert f"python -m minagi {cmd}" in out  # the usage line names the command as it was called
 
 
+@pytest.mark.slow  # the script's own process: outside the core's fast tier
 def test_the_minagi_command():
     exe = shutil.which("minagi", path=str(Path(sys.executable).parent))
     if exe is None:

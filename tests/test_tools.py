@@ -18,6 +18,7 @@ def _rows(path):
     return list(csv.DictReader(lines[1:]))
 
 
+@pytest.mark.slow  # a child process each: outside the core's fast tier
 def test_sampler_watches_another_process(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(30)"])
     try:
@@ -37,6 +38,7 @@ def test_sampler_watches_another_process(tmp_path):
     assert rows[0]["device_allocated_bytes"] == ""  # not visible from outside
 
 
+@pytest.mark.slow  # a child process each: outside the core's fast tier
 def test_sampler_stops_when_the_process_exits(tmp_path):
     # The child lives until told to go (its stdin closed), after the sampler's first row: a fixed
     # sleep could end before a sampler slowed by a busy machine has even started.
@@ -58,6 +60,7 @@ def test_sampler_stops_when_the_process_exits(tmp_path):
     assert len(_rows(out)) >= 1
 
 
+@pytest.mark.slow  # a child process each: outside the core's fast tier
 def test_sampler_rejects_a_missing_process(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "mem_sampler.py"), "999999999", "--out",
                         str(tmp_path / "m.csv")], capture_output=True, text=True, timeout=60)

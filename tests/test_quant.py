@@ -317,7 +317,7 @@ def _qdecode_args(form, fmt, N, K, bias, dtype, seed=0, S=6, D=64, H=40):
 
 @requires_ext
 @pytest.mark.parametrize("form", QDECODE_FORMS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qdecode_experts_matches_twin(qdecode, form, dtype):
     # Writing's one op with quantized weights (CPU only): 1 to 4 characters, every format, with and
     # without both biases, against its twin (the exact plan's pipeline with qgrouped_mm's twin).

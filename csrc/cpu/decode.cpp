@@ -22,16 +22,37 @@
 namespace minagi {
 namespace {
 
+// x, slot_idx and gates as both decode ops take them (op: the name the messages give).
+void check_decode_rows(const at::Tensor& x, const at::Tensor& slot_idx, const at::Tensor& gates, const char* op) {
+  check_dim(x, 2, op, "x");
+  check_floating(x, op, "x");
+  check_dim(slot_idx, 2, op, "slot_idx");
+  check_index(slot_idx, op, "slot_idx");
+  check_size(slot_idx, 0, x.size(0), op, "slot_idx", "x.shape[0]");
+  TORCH_CHECK(gates.sizes() == slot_idx.sizes(), "minagi.", op, ": gates must have slot_idx's shape ",
+              slot_idx.sizes(), ", got ", gates.sizes());
+  check_same_dtype(x, gates, op, "x", "gates");
+  check_same_device(x, gates, op, "x", "gates");
+  check_same_device(x, slot_idx, op, "x", "slot_idx");
+}
+
+// An optional bias [S, width] in x's dtype, on x's device.
+void check_decode_bias(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t S, int64_t width,
+                       const char* op, const char* name) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == width, "minagi.", op, ": ", name,
+              " must be [", S, ", ", width, "], got shape ", bias->sizes());
+  check_same_dtype(x, *bias, op, "x", name);
+  check_same_device(x, *bias, op, "x", name);
+}
+
 Act check_decode_experts_args(const at::Tensor& x, const at::Tensor& slot_idx, const at::Tensor& gates,
                               const at::Tensor& w_in, const at::Tensor& w_out, const c10::optional<at::Tensor>& b_in,
                               const c10::optional<at::Tensor>& b_out, const std::string& activation) {
   const char* op = "decode_experts";
-  check_dim(x, 2, op, "x");
-  check_floating(x, op, "x");
+  check_decode_rows(x, slot_idx, gates, op);
   check_dim(w_in, 3, op, "w_in");
   check_dim(w_out, 3, op, "w_out");
-  check_dim(slot_idx, 2, op, "slot_idx");
-  check_index(slot_idx, op, "slot_idx");
   const Act act = parse_act(activation, op);
   const int64_t S = w_in.size(0), D = x.size(1), M = w_in.size(2), H = act_gated(act) ? M / 2 : M;
   TORCH_CHECK(!act_gated(act) || M % 2 == 0, "minagi.decode_experts: the gated form '", activation,
@@ -40,24 +61,12 @@ Act check_decode_experts_args(const at::Tensor& x, const at::Tensor& slot_idx, c
   TORCH_CHECK(w_out.size(0) == S && w_out.size(1) == H && w_out.size(2) == D, "minagi.decode_experts: w_out must be ",
               "[S, H, D] = [", S, ", ", H, ", ", D, "] for x ", x.sizes(), " and w_in ", w_in.sizes(), ", got ",
               w_out.sizes());
-  check_size(slot_idx, 0, x.size(0), op, "slot_idx", "x.shape[0]");
-  TORCH_CHECK(gates.sizes() == slot_idx.sizes(), "minagi.decode_experts: gates must have slot_idx's shape ",
-              slot_idx.sizes(), ", got ", gates.sizes());
-  const std::pair<const char*, const c10::optional<at::Tensor>*> biases[] = {{"b_in", &b_in}, {"b_out", &b_out}};
-  for (const auto& [name, bias] : biases) {
-    if (!bias->has_value()) continue;
-    const int64_t width = bias == &b_in ? M : D;
-    TORCH_CHECK((*bias)->dim() == 2 && (*bias)->size(0) == S && (*bias)->size(1) == width, "minagi.decode_experts: ",
-                name, " must be [", S, ", ", width, "], got shape ", (*bias)->sizes());
-    check_same_dtype(x, **bias, op, "x", name);
-    check_same_device(x, **bias, op, "x", name);
-  }
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"gates", &gates}, {"w_in", &w_in},
-                                {"w_out", &w_out}}) {
+  check_decode_bias(x, b_in, S, M, op, "b_in");
+  check_decode_bias(x, b_out, S, D, op, "b_out");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"w_in", &w_in}, {"w_out", &w_out}}) {
     check_same_dtype(x, *t, op, "x", name);
     check_same_device(x, *t, op, "x", name);
   }
-  check_same_device(x, slot_idx, op, "x", "slot_idx");
   return act;
 }
 
@@ -153,15 +162,6 @@ void add_range_bias(at::Tensor& h, const at::Tensor& bias, const DecodePlan& pla
   });
 }
 
-void check_qdecode_bias(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t S, int64_t width,
-                        const char* name) {
-  if (!bias.has_value()) return;
-  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == width, "minagi.qdecode_experts: ", name,
-              " must be [", S, ", ", width, "], got shape ", bias->sizes());
-  check_same_dtype(x, *bias, "qdecode_experts", "x", name);
-  check_same_device(x, *bias, "qdecode_experts", "x", name);
-}
-
 // qdecode_experts (csrc/ops.cpp): decode_experts with quantized weights, both layers through
 // qgrouped_mm_into (each routed slot's bytes read once, dequantized in registers).
 at::Tensor qdecode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_idx_in, const at::Tensor& gates_in,
@@ -172,16 +172,7 @@ at::Tensor qdecode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_id
                                double limit) {
   const char* op = "qdecode_experts";
   const at::Tensor x = x_in.contiguous();
-  check_dim(x, 2, op, "x");
-  check_floating(x, op, "x");
-  check_dim(slot_idx_in, 2, op, "slot_idx");
-  check_index(slot_idx_in, op, "slot_idx");
-  check_size(slot_idx_in, 0, x.size(0), op, "slot_idx", "x.shape[0]");
-  TORCH_CHECK(gates_in.sizes() == slot_idx_in.sizes(), "minagi.qdecode_experts: gates must have slot_idx's shape ",
-              slot_idx_in.sizes(), ", got ", gates_in.sizes());
-  check_same_dtype(x, gates_in, op, "x", "gates");
-  check_same_device(x, gates_in, op, "x", "gates");
-  check_same_device(x, slot_idx_in, op, "x", "slot_idx");
+  check_decode_rows(x, slot_idx_in, gates_in, op);
   const Act act = parse_act(std::string(activation), op);
   const int64_t S = q_in.dim() == 3 ? q_in.size(0) : 0, D = x.size(1);
   check_quantized_weight(x, D, q_in, scale_in, bits_in, group_in, op, "x", "q_in", "scale_in");
@@ -191,8 +182,8 @@ at::Tensor qdecode_experts_cpu(const at::Tensor& x_in, const at::Tensor& slot_id
   check_quantized_weight(x, H, q_out, scale_out, bits_out, group_out, op, "the activation", "q_out", "scale_out");
   TORCH_CHECK(q_out.size(0) == S && q_out.size(1) == D, "minagi.qdecode_experts: q_out must hold [S, D] = [", S,
               ", ", D, "] output channels for x ", x.sizes(), " and q_in ", q_in.sizes(), ", got ", q_out.sizes());
-  check_qdecode_bias(x, b_in_opt, S, M, "b_in");
-  check_qdecode_bias(x, b_out_opt, S, D, "b_out");
+  check_decode_bias(x, b_in_opt, S, M, op, "b_in");
+  check_decode_bias(x, b_out_opt, S, D, op, "b_out");
   const at::Tensor idx = slot_idx_in.contiguous(), gates = gates_in.contiguous();
   check_slot_ids_cpu(idx, S);
   return decode_call(x, idx, gates, [&](const DecodePlan& plan, const at::Tensor& a, at::Tensor& out) {

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -26,12 +27,55 @@ def _py(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
 
 
+# The same decisions in this process (the fast tier); the tests after it import minagi afresh in
+# a child process, as a user does.
+@pytest.fixture
+def fresh_state(monkeypatch):
+    from minagi.moe import _backend
+
+    for name in ("MINAGI_DISABLE_EXT", "MINAGI_REQUIRE_EXT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_backend, "_STATE", None)
+    return _backend
+
+
+def test_the_flags_decide_in_process(fresh_state, monkeypatch):
+    _backend = fresh_state
+    monkeypatch.setenv("MINAGI_DISABLE_EXT", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the forced fallback is quiet
+        assert _backend.state() == _backend.BackendState(False, "disabled by MINAGI_DISABLE_EXT=1")
+    monkeypatch.setattr(_backend, "_STATE", None)
+    monkeypatch.setenv("MINAGI_REQUIRE_EXT", "1")
+    with pytest.raises(RuntimeError, match="contradict each other; unset one"):
+        _backend.state()
+    monkeypatch.setenv("MINAGI_DISABLE_EXT", "maybe")
+    with pytest.raises(ValueError, match="MINAGI_DISABLE_EXT='maybe': use 1 or 0"):
+        _backend.state()
+
+
+def test_a_missing_extension_in_process(fresh_state, monkeypatch):
+    _backend = fresh_state
+    monkeypatch.setitem(sys.modules, "minagi._C", None)  # its import fails, as after a failed build
+    with pytest.warns(_backend.ExtensionFallbackWarning, match="minagi._C did not load .*pure-torch ops"):
+        assert not _backend.state().loaded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the state is kept
+        assert not _backend.state().loaded
+    monkeypatch.setattr(_backend, "_STATE", None)
+    monkeypatch.setenv("MINAGI_REQUIRE_EXT", "1")
+    with pytest.raises(RuntimeError, match="MINAGI_REQUIRE_EXT=1 but minagi._C did not load"):
+        _backend.state()
+
+
+@pytest.mark.slow
 def test_disable_forces_the_fallback_quietly():
     r = _py("import minagi; print(minagi.extension_loaded())", MINAGI_DISABLE_EXT="1")
     assert r.returncode == 0 and r.stdout.strip() == "False"
     assert "Warning" not in r.stderr
 
 
+@pytest.mark.slow
 def test_missing_extension_warns_once_and_falls_back():
     r = _py(HIDE_EXT + "import minagi, torch\nprint(minagi.extension_loaded())\n"
             "print(minagi.expert_mlp(torch.randn(3, 2), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1),"
@@ -42,21 +86,25 @@ def test_missing_extension_warns_once_and_falls_back():
     assert len(notices) == 1 and "simulated: no minagi._C" in notices[0] and "pure-torch" in notices[0]
 
 
+@pytest.mark.slow
 def test_require_makes_a_missing_extension_an_error():
     r = _py(HIDE_EXT + "import minagi", MINAGI_REQUIRE_EXT="1")
     assert r.returncode != 0 and "MINAGI_REQUIRE_EXT=1 but minagi._C did not load" in r.stderr
 
 
+@pytest.mark.slow
 def test_require_and_disable_contradict():
     r = _py("import minagi", MINAGI_REQUIRE_EXT="1", MINAGI_DISABLE_EXT="1")
     assert r.returncode != 0 and "contradict" in r.stderr
 
 
+@pytest.mark.slow
 def test_bad_flag_value_is_named():
     r = _py("import minagi", MINAGI_DISABLE_EXT="maybe")
     assert r.returncode != 0 and "MINAGI_DISABLE_EXT='maybe'" in r.stderr
 
 
+@pytest.mark.slow
 @requires_ext
 def test_require_with_a_built_extension_loads():
     r = _py("import minagi; print(minagi.extension_loaded())", MINAGI_REQUIRE_EXT="1")

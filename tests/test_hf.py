@@ -169,6 +169,7 @@ def test_model_without_decorated_experts_keeps_transformers_behaviour():
         assert torch.equal(model(ids).logits, ref)
 
 
+@pytest.mark.slow
 def test_import_without_transformers_and_register_says_what_to_install():
     code = ("import sys; sys.modules['transformers'] = None\n"
             "import minagi.hf\n"

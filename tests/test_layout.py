@@ -164,6 +164,7 @@ def test_the_library_imports_nothing_from_the_application():
     assert not wrong, "the library (minagi.moe) must not import the application or the bench:\n" + "\n".join(wrong)
 
 
+@pytest.mark.slow
 def test_the_front_loads_the_application_only_when_asked():
     import subprocess
 

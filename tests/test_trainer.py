@@ -108,6 +108,7 @@ def test_cli_errors_name_the_problem(args, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_cli_error_is_one_line_and_status_2_from_the_process():
     r = _cli("--profile", "cpu-tinny")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown profile 'cpu-tinny'" in r.stderr, r.stderr
@@ -146,11 +147,14 @@ def test_history_has_a_record_at_every_evaluation_and_resumes_between_checkpoint
         assert (x["train_loss"], x["heldout_bpc"]) == (y["train_loss"], y["heldout_bpc"]), (x, y)
 
 
-def test_corpus_smaller_than_a_chunk(tmp_path):
+def test_corpus_smaller_than_a_chunk(tmp_path, capsys):
+    from minagi.lm.cli import main
+
     small = tmp_path / "small.txt"
     small.write_text("print('hello')\n" * 4)
-    r = _cli("--data", str(small))
-    assert r.returncode == 2 and "one chunk needs data.context + 1 = 129 bytes" in r.stderr
+    assert main(["--quiet", "--data", str(small), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "one chunk needs data.context + 1 = 129 bytes" in err, err
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DataError, match="no text files to read \\(an empty folder\\); give at least"):

@@ -156,12 +156,14 @@ def test_settings_that_cannot_be_used_are_refused(kw, flag):
         write(LoopModel(), b"\n", 5, **kw)
 
 
-def test_write_command_refuses_a_negative_temperature(run_dir):
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "write", str(run_dir), "--temperature", "-1"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == ("error: --temperature must be >= 0 (0 writes greedily: the likeliest "
-                                                 "byte each time), got -1.0")
+def test_write_command_refuses_a_negative_temperature(run_dir, capsys):
+    from minagi.lm.cli import main
+
+    assert main(["write", str(run_dir), "--temperature", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: --temperature must be >= 0 (0 writes greedily: the likeliest "
+                                            "byte each time), got -1.0")
 
 
 def test_prompts_are_cut_from_the_left_and_empty_starts_from_newline():
@@ -170,11 +172,12 @@ def test_prompts_are_cut_from_the_left_and_empty_starts_from_newline():
     assert prepare_prompt("abcdefghij", 8, notice=notes.append) == b"cdefghij" and "last 8" in notes[0]
 
 
-def test_write_command(run_dir):
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "write", str(run_dir), "--prompt", "import ",
-                        "--chars", "30", "--seed", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("import ") and "char/s" in r.stderr.splitlines()[-1]
+def test_write_command(run_dir, capsys):
+    from minagi.lm.cli import main
+
+    assert main(["write", str(run_dir), "--prompt", "import ", "--chars", "30", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("import ") and "char/s" in err.splitlines()[-1], err
 
 
 @pytest.mark.slow

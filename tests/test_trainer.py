@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minagi.lm import checkpoint
+from minagi.lm.cli import main
 from minagi.lm.config import ConfigError, load
 from minagi.lm.data import DataError, load_corpus
 from minagi.lm.run import build
@@ -101,8 +102,6 @@ def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path):
     (["--resume", "--out", "/tmp/minagi-no-such-run"], "no checkpoint at /tmp/minagi-no-such-run/checkpoint.pt"),
 ])
 def test_cli_errors_name_the_problem(args, message, capsys):
-    from minagi.lm.cli import main
-
     assert main(["--quiet", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -115,8 +114,6 @@ def test_a_cli_error_is_one_line_and_status_2_from_the_process():
 
 
 def test_a_wrong_length_names_the_setting_and_the_flag(capsys):
-    from minagi.lm.cli import main
-
     assert main(["--steps", "-5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--steps -5:" in err and "give --steps 1 or more" in err
@@ -148,8 +145,6 @@ def test_history_has_a_record_at_every_evaluation_and_resumes_between_checkpoint
 
 
 def test_corpus_smaller_than_a_chunk(tmp_path, capsys):
-    from minagi.lm.cli import main
-
     small = tmp_path / "small.txt"
     small.write_text("print('hello')\n" * 4)
     assert main(["--quiet", "--data", str(small), "--out", str(tmp_path / "run")]) == 2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minagi.moe import ops
+from minagi.lm.cli import main
 from minagi.lm.config import load
 from minagi.lm.evaluate import bits_per_byte
 from minagi.lm.model import ByteModel
@@ -157,8 +158,6 @@ def test_settings_that_cannot_be_used_are_refused(kw, flag):
 
 
 def test_write_command_refuses_a_negative_temperature(run_dir, capsys):
-    from minagi.lm.cli import main
-
     assert main(["write", str(run_dir), "--temperature", "-1"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
@@ -173,8 +172,6 @@ def test_prompts_are_cut_from_the_left_and_empty_starts_from_newline():
 
 
 def test_write_command(run_dir, capsys):
-    from minagi.lm.cli import main
-
     assert main(["write", str(run_dir), "--prompt", "import ", "--chars", "30", "--seed", "1"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("import ") and "char/s" in err.splitlines()[-1], err
@@ -230,8 +227,6 @@ def test_plot_writes_a_png(run_dir):
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(run_dir, monkeypatch, capsys):
-    from minagi.lm.cli import main
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it fails
     assert main(["plot", str(run_dir)]) == 2
     err = capsys.readouterr().err
@@ -250,7 +245,6 @@ def text_run(tmp_path_factory):
 
 
 def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
-    from minagi.lm.cli import main
     from minagi.lm.data import run_corpus
     from minagi.lm.evaluate import scored_bytes
 
@@ -265,8 +259,6 @@ def test_eval_without_data_scores_the_runs_own_held_out_split(text_run, capsys):
 
 
 def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_path, capsys):
-    from minagi.lm.cli import main
-
     (tmp_path / "__pycache__").mkdir()
     (tmp_path / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00" * 100)
     (tmp_path / "m.py").write_text("x = 1\n" * 20)
@@ -279,8 +271,6 @@ def test_eval_reads_a_folders_text_files_and_says_what_it_skipped(text_run, tmp_
 
 def test_a_file_that_is_not_a_checkpoint_is_one_line(text_run, tmp_path, capsys):
     import argparse
-
-    from minagi.lm.cli import main
 
     torch.save(argparse.Namespace(steps=1), tmp_path / "other.pt")  # unpickling it is refused
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
@@ -321,8 +311,6 @@ def test_quantized_experts_write_and_score_as_the_dequantized_pool():
 
 
 def test_eval_quantize_reports_the_float_figure_beside(run_dir, capsys):
-    from minagi.lm.cli import main
-
     assert main(["eval", str(run_dir), "--data", str(ROOT / "README.md"), "--quantize", "int8"]) == 0
     out, err = capsys.readouterr()
     assert "float " in err and ", int8 " in err and float(out.strip().splitlines()[-1]) > 0
